@@ -1,0 +1,46 @@
+"""The ``BlockIndex`` interface: which instance holds which chained prefix blocks.
+
+Keys are kvatlas's own chained block hashes (``index.hashing``) of one model namespace, so a
+block hash identifies its whole prefix and a lookup only has to walk the prompt's blocks in order.
+Backends: ``index.memory`` (in-process) and ``index.etcd_index`` (a per-instance etcd writer plus a
+watched mirror). One contract test suite runs against both.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+GPU = "GPU"
+
+
+class BlockIndex(ABC):
+    """Per-model index of prefix blocks held by each instance."""
+
+    @abstractmethod
+    async def add(self, instance: str, parent: int | None, hashes: Sequence[int],
+                  medium: str = GPU) -> None:
+        """Record that ``instance`` holds ``hashes`` (consecutive blocks after ``parent``)."""
+
+    @abstractmethod
+    async def remove(self, instance: str, hashes: Sequence[int]) -> None:
+        """Forget ``hashes`` on ``instance``; unknown hashes are ignored."""
+
+    @abstractmethod
+    async def clear(self, instance: str) -> None:
+        """Forget every block of ``instance``."""
+
+    @abstractmethod
+    def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
+        """For each instance holding ``hashes[0]``, how many leading blocks of ``hashes`` it holds.
+
+        O(len(hashes)) with an early exit once no instance matches further. Instances with no
+        match are left out.
+        """
+
+    @abstractmethod
+    def blocks(self, instance: str) -> set[int]:
+        """Every block hash ``instance`` holds (for tests, stats and resync)."""
+
+    @abstractmethod
+    def instances(self) -> set[str]:
+        """Instances holding at least one block."""

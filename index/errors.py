@@ -1,0 +1,54 @@
+"""kvatlas's etcd exception tree.
+
+gRPC and aetcd errors are mapped onto these in exactly one place (``index.etcd``), so callers
+never see a transport library's exception and every message says what to check.
+"""
+from __future__ import annotations
+
+
+class IndexLayerError(Exception):
+    """Root of the index layer's errors."""
+
+
+class EtcdError(IndexLayerError):
+    """An etcd operation failed.
+
+    ``endpoint`` is the etcd address the client was using and ``op`` the operation, so a log line
+    alone tells an operator which etcd and which call to look at.
+    """
+
+    def __init__(self, message: str, *, endpoint: str = "", op: str = "") -> None:
+        self.endpoint = endpoint
+        self.op = op
+        where = f" ({op} on {endpoint})" if endpoint or op else ""
+        super().__init__(f"{message}{where}")
+
+
+class EtcdUnavailable(EtcdError):
+    """etcd cannot be reached or has no quorum; check that it runs and the address is right."""
+
+
+class EtcdTimeout(EtcdUnavailable):
+    """etcd did not answer within the deadline; it may be overloaded or partitioned."""
+
+
+class EtcdAuthError(EtcdError):
+    """etcd refused the credentials; check --etcd-user/--etcd-password or the TLS files."""
+
+
+class EtcdCompacted(EtcdError):
+    """A watch asked for a revision that etcd has already compacted; reload from a fresh get."""
+
+    def __init__(self, compact_revision: int, *, endpoint: str = "", op: str = "watch") -> None:
+        self.compact_revision = compact_revision
+        super().__init__(
+            f"revision compacted up to {compact_revision}; reload the range", endpoint=endpoint, op=op
+        )
+
+
+class LeaseExpired(EtcdError):
+    """The lease is gone (expired or revoked); keys written under it have been deleted."""
+
+
+class EtcdRequestError(EtcdError):
+    """etcd refused the request itself (too many ops in a txn, bad key, quota exceeded)."""

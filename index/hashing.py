@@ -1,0 +1,65 @@
+"""The block-hash contract of DESIGN.md (shared by engine, index and router).
+
+Full blocks of ``block_size`` tokens only. ``local_i = xxh3_64(tokens of block i as little-endian
+uint32, seed)``; ``h_0 = local_0``; ``h_i = xxh3_64(le_u64(h_{i-1}) || le_u64(local_i), seed)``.
+``seed = 1337`` for a base model; with a LoRA name or cache salt,
+``seed = xxh3_64(utf8(lora_name) || 0x00 || utf8(cache_salt), 1337)``. For a base model ``local_i``
+equals NVIDIA Dynamo's ``compute_block_hash_for_seq``, so hashes can be checked against it.
+"""
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+BASE_SEED = 1337
+DEFAULT_BLOCK_SIZE = 16
+MAX_TOKEN_ID = 2**32 - 1
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_pair = struct.Struct("<QQ")
+
+
+def namespace_seed(lora_name: str | None = None, cache_salt: str | None = None) -> int:
+    """The hash seed of a namespace: 1337 for a base model, else derived from LoRA name and salt."""
+    if not lora_name and not cache_salt:
+        return BASE_SEED
+    data = (lora_name or "").encode() + b"\x00" + (cache_salt or "").encode()
+    return _xxh3(data, BASE_SEED)
+
+
+def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError("token ids must be a flat sequence")
+    if arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > MAX_TOKEN_ID):
+        raise ValueError("token ids must be integers in the uint32 range [0, 2^32-1]")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def chain(parent: int | None, local: int, seed: int = BASE_SEED) -> int:
+    """One link of the chain: the hash of a block whose own-token hash is ``local``."""
+    if parent is None:
+        return local
+    return _xxh3(_pair.pack(parent, local), seed)
+
+
+def block_hashes(tokens: Sequence[int] | np.ndarray, block_size: int = DEFAULT_BLOCK_SIZE,
+                 seed: int = BASE_SEED, parent: int | None = None) -> list[int]:
+    """Chained hashes of the full blocks of ``tokens``; a partial trailing block is ignored.
+
+    ``parent`` continues a chain: the hash of the block just before ``tokens[0]``.
+    """
+    if block_size < 1:
+        raise ValueError(f"block size must be >= 1, got {block_size}")
+    data = _token_bytes(tokens)
+    step = 4 * block_size
+    out: list[int] = []
+    h = parent
+    for off in range(0, len(data) - step + 1, step):
+        local = _xxh3(data[off:off + step], seed)
+        h = local if h is None else _xxh3(_pair.pack(h, local), seed)
+        out.append(h)
+    return out

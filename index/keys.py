@@ -1,0 +1,100 @@
+"""The etcd key layout of DESIGN.md. Values are JSON so that ``etcdctl get --prefix`` is readable.
+
+``/{prefix}/v1/instances/{instance_id}``
+``/{prefix}/v1/ranks/{instance_id}/{dp}/{cp}/{tp}/{pp}``
+``/{prefix}/v1/blocks/{model}/{instance_id}/{hash:016x}``
+
+Model names may contain ``/`` (``org/name``), so they are percent-encoded in the path.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, unquote
+
+_INSTANCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def validate_instance_id(instance_id: str) -> str:
+    """Return ``instance_id`` or raise ValueError saying what a valid id looks like."""
+    if not isinstance(instance_id, str) or not _INSTANCE_RE.match(instance_id):
+        raise ValueError(
+            f"instance id {instance_id!r} is invalid: use 1-128 characters of letters, digits, "
+            "'.', '_' or '-', starting with a letter or digit"
+        )
+    return instance_id
+
+
+def validate_model(model: str) -> str:
+    if not isinstance(model, str) or not model or len(model) > 256 or not model.isprintable():
+        raise ValueError(f"model name {model!r} is invalid: use 1-256 printable characters")
+    return model
+
+
+def dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+
+
+def loads(raw: bytes) -> Any:
+    return json.loads(raw)
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Builds and parses kvatlas's etcd keys under one prefix (default ``/kvatlas``)."""
+
+    prefix: str = "/kvatlas"
+
+    def __post_init__(self) -> None:
+        if not self.prefix.startswith("/") or self.prefix.endswith("/") or "//" in self.prefix:
+            raise ValueError(
+                f"etcd key prefix {self.prefix!r} must start with '/' and not end with '/'"
+            )
+
+    @property
+    def root(self) -> str:
+        return f"{self.prefix}/v1/"
+
+    # instances
+    def instances_prefix(self) -> bytes:
+        return f"{self.root}instances/".encode()
+
+    def instance(self, instance_id: str) -> bytes:
+        return f"{self.root}instances/{instance_id}".encode()
+
+    def parse_instance(self, key: bytes) -> str:
+        return key.decode()[len(self.instances_prefix()):]
+
+    # ranks
+    def ranks_prefix(self, instance_id: str | None = None) -> bytes:
+        tail = f"{instance_id}/" if instance_id is not None else ""
+        return f"{self.root}ranks/{tail}".encode()
+
+    def rank(self, instance_id: str, dp: int, cp: int, tp: int, pp: int) -> bytes:
+        return f"{self.root}ranks/{instance_id}/{dp}/{cp}/{tp}/{pp}".encode()
+
+    def parse_rank(self, key: bytes) -> tuple[str, tuple[int, int, int, int]]:
+        parts = key.decode()[len(self.ranks_prefix()):].split("/")
+        if len(parts) != 5:
+            raise ValueError(f"not a rank key: {key!r}")
+        iid, dp, cp, tp, pp = parts
+        return iid, (int(dp), int(cp), int(tp), int(pp))
+
+    # blocks
+    def blocks_prefix(self, model: str | None = None, instance_id: str | None = None) -> bytes:
+        if model is None:
+            return f"{self.root}blocks/".encode()
+        tail = f"{instance_id}/" if instance_id is not None else ""
+        return f"{self.root}blocks/{quote(model, safe='')}/{tail}".encode()
+
+    def block(self, model: str, instance_id: str, block_hash: int) -> bytes:
+        return f"{self.root}blocks/{quote(model, safe='')}/{instance_id}/{block_hash:016x}".encode()
+
+    def parse_block(self, key: bytes) -> tuple[str, str, int]:
+        """(model, instance_id, hash) of a block key."""
+        parts = key.decode()[len(self.blocks_prefix()):].split("/")
+        if len(parts) != 3:
+            raise ValueError(f"not a block key: {key!r}")
+        return unquote(parts[0]), parts[1], int(parts[2], 16)

