@@ -38,6 +38,10 @@ class BlockIndex(ABC):
         """
 
     @abstractmethod
+    def medium(self, instance: str, block_hash: int) -> str | None:
+        """Where ``instance`` holds ``block_hash`` ("GPU", "CPU", ...), or None if it does not."""
+
+    @abstractmethod
     def blocks(self, instance: str) -> set[int]:
         """Every block hash ``instance`` holds (for tests, stats and resync)."""
 

@@ -1,0 +1,1 @@
+"""The per-instance bootstrap directory: an SGLang-compatible rank table server, mirrored into etcd."""

@@ -1,0 +1,114 @@
+"""The bootstrap server's one configuration dataclass."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+from index.etcd import EtcdSettings
+from index.keys import KeyLayout, validate_instance_id, validate_model
+
+DEFAULT_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
+
+
+@dataclass
+class BootstrapConfig:
+    """Everything one bootstrap server needs; validated on construction."""
+
+    instance_id: str
+    """This prefill instance's id; names its etcd keys (``/kvatlas/v1/instances/{id}``)."""
+    model: str
+    """The model the instance serves, as routers and ``kvatlas instances`` show it."""
+    host: str = "127.0.0.1"
+    """Address to listen on. Loopback unless an operator opens it deliberately."""
+    port: int = DEFAULT_PORT
+    """TCP port to listen on (SGLang's default bootstrap port is 8998)."""
+    advertise_host: str | None = None
+    """Host that decodes should use to reach this server, as written to etcd (default: ``host``)."""
+    etcd: EtcdSettings | None = None
+    """How to reach etcd for the mirror; None serves from memory only, without a mirror."""
+    etcd_prefix: str = "/kvatlas"
+    """Key prefix in etcd."""
+    auth_token: str | None = None
+    """When set, PUT and POST need ``Authorization: Bearer <token>``; GETs stay open for decodes."""
+    lease_ttl: int = 10
+    """TTL in seconds of the instance lease that all mirrored keys sit under (keepalive every TTL/3)."""
+    dp_room_ttl: float = 120.0
+    """Seconds a ``/register_dp_rank`` entry (room -> dp rank) lives."""
+    dp_room_sweep_interval: float = 10.0
+    """Seconds between sweeps that drop expired room entries."""
+    dp_room_max_entries: int = 200_000
+    """Most room entries kept; past it the oldest are evicted so a flood cannot exhaust memory."""
+    max_body_bytes: int = 64 * 1024
+    """Largest request body accepted; larger ones get 413."""
+    instance_fields: dict[str, Any] = field(default_factory=dict)
+    """Extra fields for the etcd instance record (e.g. ``url``); they cannot override core fields."""
+
+    def __post_init__(self) -> None:
+        validate_instance_id(self.instance_id)
+        validate_model(self.model)
+        if not self.host:
+            raise ValueError("bootstrap host must not be empty (use 127.0.0.1 or 0.0.0.0)")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"bootstrap port {self.port} is outside 1-65535")
+        if self.lease_ttl < 2:
+            raise ValueError(f"lease TTL must be at least 2 s (etcd's minimum), got {self.lease_ttl}")
+        if self.dp_room_ttl <= 0 or self.dp_room_sweep_interval <= 0:
+            raise ValueError("dp room TTL and sweep interval must be positive")
+        if self.dp_room_max_entries < 1:
+            raise ValueError(f"dp room bound must be at least 1, got {self.dp_room_max_entries}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max body size must be at least 1024 bytes, got {self.max_body_bytes}")
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ValueError("auth token must not be empty; omit --auth-token to turn auth off")
+        KeyLayout(prefix=self.etcd_prefix)  # validates the prefix
+
+    @property
+    def layout(self) -> KeyLayout:
+        return KeyLayout(prefix=self.etcd_prefix)
+
+    @property
+    def public_host(self) -> str:
+        """The host decodes should dial: the advertised one, else the listen host."""
+        if self.advertise_host:
+            return self.advertise_host
+        return self.host
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add the server flags; etcd flags come from the CLI's shared ``add_etcd_args``."""
+        parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+        parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                            help=f"listen port (default {DEFAULT_PORT})")
+        parser.add_argument("--advertise-host", default=None,
+                            help="host written to etcd for decodes to dial (default: --host)")
+        parser.add_argument("--instance-id", required=True, help="this prefill instance's id")
+        parser.add_argument("--model", required=True, help="the model the instance serves")
+        parser.add_argument("--auth-token", default=None,
+                            help="require 'Authorization: Bearer TOKEN' on PUT and POST")
+        parser.add_argument("--lease-ttl", type=int, default=10,
+                            help="etcd lease TTL in seconds (default 10)")
+        parser.add_argument("--dp-room-ttl", type=float, default=120.0,
+                            help="seconds a room -> dp rank entry lives (default 120)")
+        parser.add_argument("--dp-room-max-entries", type=int, default=200_000,
+                            help="most room -> dp rank entries kept (default 200000)")
+        parser.add_argument("--no-mirror", action="store_true",
+                            help="serve from memory only, without the etcd mirror")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace,
+                      etcd: EtcdSettings | None = None) -> "BootstrapConfig":
+        """Build from parsed flags; ``etcd`` is the settings the CLI built from its etcd flags."""
+        return cls(
+            instance_id=args.instance_id,
+            model=args.model,
+            host=args.host,
+            port=args.port,
+            advertise_host=args.advertise_host,
+            etcd=None if getattr(args, "no_mirror", False) else etcd,
+            etcd_prefix=getattr(args, "etcd_prefix", "/kvatlas"),
+            auth_token=args.auth_token,
+            lease_ttl=args.lease_ttl,
+            dp_room_ttl=args.dp_room_ttl,
+            dp_room_max_entries=args.dp_room_max_entries,
+        )

@@ -1,0 +1,126 @@
+"""Mirror of one instance's rank table into etcd, under the instance lease.
+
+The in-memory table stays the authority. This module only keeps etcd equal to it: one instance
+key plus one key per registered cell, all under one lease. ``index.owned.LeasedKeys`` does the
+retrying, the rewrite after a new lease and the removal of stale keys of this instance.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from bootstrap.config import BootstrapConfig
+from bootstrap.table import Cell, RankEntry, RankTable
+from index.errors import EtcdError
+from index.etcd import EtcdClient
+from index.keys import dumps
+from index.lease import LeaseSession
+from index.owned import LeasedKeys
+
+logger = logging.getLogger(__name__)
+
+ROLE = "prefill"
+
+
+def rank_value(cell: Cell, entry: RankEntry) -> dict[str, Any]:
+    dp, cp, tp, pp = cell
+    return {"rank_ip": entry.rank_ip, "rank_port": entry.rank_port, "dp": dp, "cp": cp, "tp": tp,
+            "pp": pp, "attn_dp_rank": entry.attn_dp_rank, "system_dp_rank": entry.system_dp_rank,
+            "registered_at": entry.registered_at}
+
+
+class RankMirror:
+    """Keeps ``/…/instances/{id}`` and ``/…/ranks/{id}/…`` equal to a RankTable."""
+
+    def __init__(self, config: BootstrapConfig, table: RankTable) -> None:
+        if config.etcd is None:
+            raise ValueError("RankMirror needs etcd settings")
+        self.config = config
+        self.table = table
+        self.layout = config.layout
+        self.started_at = time.time()
+        self.client = EtcdClient(config.etcd)
+        self.session = LeaseSession(self.client, config.lease_ttl)
+        # Only the rank range is swept for stale keys: the instance key is always desired, and
+        # using it as a prefix would also match other instances whose id starts with ours.
+        self.keys = LeasedKeys(self.session, [self.layout.ranks_prefix(config.instance_id)])
+        self._tasks: list[asyncio.Task[None]] = []
+        self.publish_instance()
+
+    # --- desired state ----------------------------------------------------------------------
+
+    def instance_value(self) -> dict[str, Any]:
+        cfg, table = self.config, self.table
+        value: dict[str, Any] = dict(cfg.instance_fields)
+        value.update({
+            "instance_id": cfg.instance_id,
+            "role": ROLE,
+            "model": cfg.model,
+            "bootstrap_host": cfg.public_host,
+            "bootstrap_port": cfg.port,
+            "expected_ranks": table.expected,
+            "registered_ranks": table.registered,
+            "ready": table.ready,
+            "started_at": self.started_at,
+            "topology": None if table.topology is None else table.topology.scalars(),
+        })
+        return value
+
+    def publish_instance(self) -> None:
+        self.keys.set(self.layout.instance(self.config.instance_id), dumps(self.instance_value()))
+
+    def publish_cell(self, cell: Cell) -> None:
+        """Call after the table stored ``cell``: updates that rank's key and the instance record."""
+        entry = self.table.lookup(cell)
+        key = self.layout.rank(self.config.instance_id, *cell)
+        if entry is None:
+            self.keys.delete(key)
+        else:
+            self.keys.set(key, dumps(rank_value(cell, entry)))
+        self.publish_instance()
+
+    # --- state for /metrics and /health -----------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """"connecting", "synced" or "degraded" (etcd away; serving from memory, retrying)."""
+        if self.keys.state == "synced" and not self.session.healthy and self.session.last_error:
+            return "degraded"
+        return self.keys.state
+
+    @property
+    def lag(self) -> float:
+        return self.keys.lag
+
+    async def wait_synced(self, timeout: float | None = None) -> bool:
+        return await self.keys.wait_synced(timeout)
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            await self.client.connect()
+        except EtcdError as exc:
+            # The lease loop connects again by itself; the server serves from memory meanwhile.
+            logger.warning("etcd not reachable at start, serving from memory and retrying: %s", exc)
+        self._tasks = [asyncio.create_task(self.session.run(), name="bootstrap-lease"),
+                       asyncio.create_task(self.keys.run(), name="bootstrap-mirror")]
+
+    async def close(self, revoke: bool = True) -> None:
+        """Stop mirroring; with ``revoke`` the lease is revoked so every key vanishes now."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if revoke:
+            try:
+                await asyncio.wait_for(self.session.revoke(),
+                                       timeout=min(3.0, self.client.settings.timeout))
+            except asyncio.TimeoutError:
+                logger.warning("lease revoke timed out; the keys expire with the lease TTL")
+        await self.client.close()

@@ -1,0 +1,86 @@
+"""``kvatlas instances``: every instance registered in etcd, one row each."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from index.etcd import EtcdClient
+from index.keys import loads
+from kvatlas.commands._common import add_etcd_args, etcd_settings, key_layout
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("instances", help="list the instances registered in etcd")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_etcd_args(parser)
+    parser.set_defaults(func=cmd_instances)
+
+
+def console() -> Console:
+    # Piped output (scripts, tests) should not be cut at 80 columns.
+    return Console(width=None if sys.stdout.isatty() else 200)
+
+
+def format_age(seconds: float) -> str:
+    s = max(0, int(seconds))
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    if s < 172800:
+        return f"{s // 3600}h"
+    return f"{s // 86400}d"
+
+
+async def fetch_instances(args: argparse.Namespace) -> list[dict[str, Any]]:
+    layout = key_layout(args)
+    async with EtcdClient(etcd_settings(args)) as client:
+        _, kvs = await client.get_prefix(layout.instances_prefix())
+    out = []
+    for kv in kvs:
+        try:
+            value = loads(kv.value)
+        except ValueError:
+            value = {}
+        if not isinstance(value, dict):
+            value = {}
+        value.setdefault("instance_id", layout.parse_instance(kv.key))
+        out.append(value)
+    out.sort(key=lambda v: str(v["instance_id"]))
+    return out
+
+
+def cmd_instances(args: argparse.Namespace) -> int:
+    instances = asyncio.run(fetch_instances(args))
+    now = time.time()
+    if args.json:
+        for inst in instances:
+            started = inst.get("started_at")
+            inst["age_s"] = round(now - started, 3) if isinstance(started, (int, float)) else None
+        print(json.dumps(instances, indent=2))
+        return 0
+    table = Table(title=f"{len(instances)} instance(s)", title_justify="left")
+    for col, justify in (("id", "left"), ("role", "left"), ("model", "left"),
+                         ("bootstrap", "left"), ("ranks", "right"), ("ready", "left"),
+                         ("age", "right")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for inst in instances:
+        host, port = inst.get("bootstrap_host"), inst.get("bootstrap_port")
+        expected = inst.get("expected_ranks")
+        started = inst.get("started_at")
+        table.add_row(
+            str(inst["instance_id"]), str(inst.get("role", "?")), str(inst.get("model", "?")),
+            f"{host}:{port}" if host and port else "-",
+            f"{inst.get('registered_ranks', 0)}/{expected if expected is not None else '?'}",
+            "yes" if inst.get("ready") else "no",
+            format_age(now - started) if isinstance(started, (int, float)) else "?",
+        )
+    console().print(table)
+    return 0

@@ -1,0 +1,107 @@
+"""``kvatlas bootstrap serve`` as a real process: SIGKILL and SIGTERM, and the CLI over its mirror."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from bootstrap_helpers import TOPOLOGY_QUERY, ServerProcess, rank_body, run_cli
+from index.etcd import EtcdClient
+from index.keys import KeyLayout
+from kvatlas.etcd_proc import free_port
+
+TTL = 2
+
+
+async def _register(url: str, n: int, token: str | None = None) -> None:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with aiohttp.ClientSession(headers=headers) as s:
+        for tp in range(n):
+            async with s.put(f"{url}/route", json=rank_body(tp=tp, tp_size=n, port=25000 + tp)) as r:
+                assert r.status == 200, await r.text()
+        async with s.get(f"{url}/route", params=TOPOLOGY_QUERY) as r:
+            assert r.status == 200
+
+
+async def _keys(etcd: EtcdClient, layout: KeyLayout, iid: str) -> int:
+    inst = await etcd.get(layout.instance(iid))
+    _, ranks = await etcd.get_prefix(layout.ranks_prefix(iid))
+    return len(ranks) + (inst is not None)
+
+
+async def _wait_keys(etcd: EtcdClient, layout: KeyLayout, iid: str, n: int, timeout: float) -> float:
+    t0 = time.monotonic()
+    while (count := await _keys(etcd, layout, iid)) != n:
+        assert time.monotonic() - t0 < timeout, f"{iid}: {count} keys in etcd, want {n}"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - t0
+
+
+async def test_kill_and_term_and_cli(server_process: Callable[..., ServerProcess],
+                                     etcd: EtcdClient, etcd_endpoint: str, key_prefix: str,
+                                     layout: KeyLayout) -> None:
+    common = ["--model", "org/m-7b", "--etcd", etcd_endpoint, "--etcd-prefix", key_prefix,
+              "--lease-ttl", str(TTL)]
+    killed = await asyncio.to_thread(server_process, "--instance-id", "killed", *common)
+    termed = await asyncio.to_thread(server_process, "--instance-id", "termed", "--auth-token",
+                                     "tok", *common)
+    await _register(killed.url, 4)
+    await _register(termed.url, 2, token="tok")
+    await _wait_keys(etcd, layout, "killed", 5, timeout=5)
+    await _wait_keys(etcd, layout, "termed", 3, timeout=5)
+
+    # The CLI reads the mirror (run off the event loop: it is a blocking subprocess).
+    cli = ["--etcd", etcd_endpoint, "--etcd-prefix", key_prefix]
+    res = await asyncio.to_thread(run_cli, "instances", *cli)
+    assert res.returncode == 0, res.stderr
+    rows = {line.split()[1]: line for line in res.stdout.splitlines() if "prefill" in line}
+    assert set(rows) == {"killed", "termed"}
+    assert "org/m-7b" in rows["killed"] and f"127.0.0.1:{killed.port}" in rows["killed"]
+    assert "4/4" in rows["killed"] and "yes" in rows["killed"] and "2/2" in rows["termed"]
+
+    res = await asyncio.to_thread(run_cli, "instances", "--json", *cli)
+    listed = {i["instance_id"]: i for i in json.loads(res.stdout)}
+    assert listed["killed"]["bootstrap_port"] == killed.port and listed["killed"]["ready"] is True
+    assert 0 <= listed["termed"]["age_s"] < 60
+
+    res = await asyncio.to_thread(run_cli, "bootstrap", "show", "killed", *cli)
+    assert res.returncode == 0, res.stderr
+    assert "ranks 4/4" in res.stdout and "ready" in res.stdout
+    for tp in range(4):
+        assert str(25000 + tp) in res.stdout
+    res = await asyncio.to_thread(run_cli, "bootstrap", "show", "killed", "--json", *cli)
+    shown = json.loads(res.stdout)
+    assert [(r["tp"], r["rank_port"]) for r in shown["ranks"]] == [(t, 25000 + t) for t in range(4)]
+    assert shown["instance"]["topology"]["attn_tp_size"] == 4
+
+    res = await asyncio.to_thread(run_cli, "bootstrap", "show", "nosuch", *cli)
+    assert res.returncode == 2 and res.stdout == ""
+    assert len(res.stderr.strip().splitlines()) == 1 and "'nosuch'" in res.stderr
+
+    # SIGKILL: nothing revokes the lease, so the keys go when it expires.
+    t0 = time.monotonic()
+    killed.signal(signal.SIGKILL)
+    # SIGTERM: a clean shutdown revokes the lease, so the keys go at once.
+    termed.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(termed.proc.wait, 10) == 0
+    gone_term = await _wait_keys(etcd, layout, "termed", 0, timeout=2)
+    gone_kill = await _wait_keys(etcd, layout, "killed", 0, timeout=TTL + 3)
+    assert gone_kill <= TTL + 3 and time.monotonic() - t0 <= TTL + 3
+    assert gone_term < 2
+
+
+def test_cli_errors_are_one_line_exit_2() -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    for args in (["instances"], ["instances", "--json"], ["bootstrap", "show", "x"]):
+        res = run_cli(*args, "--etcd", dead, "--etcd-timeout", "1")
+        assert res.returncode == 2, res
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kvatlas: error:"), res.stderr
+        assert dead in lines[0] and "Traceback" not in res.stderr
+    res = run_cli("bootstrap", "serve", "--instance-id", "bad id!", "--model", "m")
+    assert res.returncode == 2 and "instance id" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
