@@ -107,6 +107,7 @@ class WatchEvent:
     put: bool
     key: bytes
     value: bytes
+    mod_revision: int = 0
 
 
 @dataclass(frozen=True)
@@ -439,7 +440,8 @@ class EtcdClient:
                     if resp.canceled:
                         raise EtcdUnavailable(f"watch cancelled by etcd: {resp.cancel_reason}",
                                               endpoint=self.endpoint, op="watch")
-                    events = [WatchEvent(ev.type == rpc.Event.EventType.PUT, ev.kv.key, ev.kv.value)
+                    events = [WatchEvent(ev.type == rpc.Event.EventType.PUT, ev.kv.key, ev.kv.value,
+                                         int(ev.kv.mod_revision))
                               for ev in resp.events]
                     yield WatchBatch(int(resp.header.revision), events)
             raise EtcdUnavailable("watch stream ended", endpoint=self.endpoint, op="watch")

@@ -1,0 +1,392 @@
+"""The index agent: indexes any engine that publishes KV events (vLLM, SGLang, ours) in etcd.
+
+One agent serves one engine instance::
+
+    engine --ZMQ PUB--> KVEventSubscriber --> InstanceIngestor --> BlockWriter --> etcd
+                        (+ DEALER replay)     (own hashes from     (coalesced txns under
+                                               token_ids)           the instance lease)
+
+Everything it writes lives under one lease, so when the agent (or its host) dies the instance's
+blocks vanish from every router's mirror. Besides the blocks it keeps the instance visible:
+
+- if no instance record exists for the id (an engine without a kvatlas bootstrap server, e.g. a
+  stock vLLM), it writes one (``"source": "kv-events"``) under its lease. A record written by
+  someone else (the instance's bootstrap server) is left alone, and when one appears later the
+  agent stops maintaining its own without deleting theirs;
+- it publishes its ingestion counters to ``/{prefix}/v1/stats/{id}`` (``index.agent_stats``).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import zmq
+
+from index.agent_stats import StatsPublisher
+from index.block_index import GPU, BlockIndex
+from index.errors import EtcdError
+from index.etcd import EtcdClient, EtcdSettings
+from index.events.ingest import InstanceIngestor
+from index.events.subscriber import KVEventSubscriber, SubscriberConfig
+from index.hashing import DEFAULT_BLOCK_SIZE
+from index.keys import KeyLayout, dumps, validate_instance_id, validate_model
+from index.lease import LeaseSession
+from index.owned import LeasedKeys
+from index.writer import BlockWriter, BlockWriterConfig
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "monolithic")
+SOURCE = "kv-events"
+
+
+class AgentError(Exception):
+    """The agent cannot start; the message says which setting to change."""
+
+    def __init__(self, instance_id: str, reason: str) -> None:
+        self.instance_id = instance_id
+        self.reason = reason
+        super().__init__(f"index agent {instance_id}: {reason}")
+
+
+@dataclass
+class AgentConfig:
+    """Settings of one index agent (one engine instance, one model)."""
+
+    instance_id: str
+    """The engine instance whose blocks are indexed (the id routers see)."""
+    model: str
+    """Model served by the instance: part of every block key, and topics ``kv@pod@other`` naming
+    another model are refused."""
+    events: SubscriberConfig = field(default_factory=SubscriberConfig)
+    """Where the engine's KV events come from (endpoint, replay, topic)."""
+    etcd: EtcdSettings = field(default_factory=EtcdSettings)
+    """The etcd cluster holding the index."""
+    etcd_prefix: str = "/kvatlas"
+    """Key prefix of every key written."""
+    role: str = "prefill"
+    """Role written into the instance record when the agent has to create one."""
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """Index block size in tokens; events of another size are refused (counted by reason)."""
+    lease_ttl: int = 10
+    """Seconds the instance's keys survive the agent's death."""
+    stats_interval: float = 1.0
+    """Seconds between publications of the counters (only when something changed)."""
+    record_check_interval: float = 5.0
+    """Seconds between checks that the instance record exists (and who owns it)."""
+    writer: BlockWriterConfig = field(default_factory=BlockWriterConfig)
+    """How block changes are coalesced into etcd transactions."""
+
+    def __post_init__(self) -> None:
+        validate_instance_id(self.instance_id)
+        validate_model(self.model)
+        if self.events.model is None:
+            # A copy: the caller's SubscriberConfig is not changed behind its back.
+            self.events = replace(self.events, model=self.model)
+        KeyLayout(self.etcd_prefix)  # raises on a malformed prefix
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} is invalid: use one of {list(ROLES)}")
+        if not 1 <= self.block_size <= 65536:
+            raise ValueError(f"block size must be within [1, 65536] tokens, got {self.block_size}")
+        if not 2 <= self.lease_ttl <= 3600:
+            raise ValueError(f"lease TTL must be within [2, 3600] s, got {self.lease_ttl}")
+        if not 0.05 <= self.stats_interval <= 3600:
+            raise ValueError(f"stats interval must be within [0.05, 3600] s, got {self.stats_interval}")
+        if not 0.1 <= self.record_check_interval <= 3600:
+            raise ValueError("record check interval must be within [0.1, 3600] s, got "
+                             f"{self.record_check_interval}")
+
+    @property
+    def layout(self) -> KeyLayout:
+        return KeyLayout(self.etcd_prefix)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Agent flags, the KV-event flags included (etcd flags are the CLI's own)."""
+        parser.add_argument("--instance-id", required=True, help="engine instance id")
+        parser.add_argument("--model", required=True, help="model the instance serves")
+        parser.add_argument("--role", choices=ROLES, default="prefill",
+                            help="role for the instance record the agent writes when none exists "
+                                 "(default prefill)")
+        parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                            help=f"index block size in tokens (default {DEFAULT_BLOCK_SIZE})")
+        parser.add_argument("--lease-ttl", type=int, default=10,
+                            help="seconds the instance's keys outlive the agent (default 10)")
+        parser.add_argument("--stats-interval", type=float, default=1.0,
+                            help="seconds between counter publications (default 1)")
+        SubscriberConfig.add_cli_args(parser)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, etcd: EtcdSettings) -> AgentConfig:
+        """Build from parsed flags; ``etcd`` is what the CLI built from its etcd flags."""
+        return cls(instance_id=args.instance_id, model=args.model,
+                   events=SubscriberConfig.from_cli_args(args), etcd=etcd,
+                   etcd_prefix=getattr(args, "etcd_prefix", "/kvatlas"), role=args.role,
+                   block_size=args.block_size, lease_ttl=args.lease_ttl,
+                   stats_interval=args.stats_interval)
+
+
+class WriterIndex(BlockIndex):
+    """One instance's ``BlockWriter`` seen as a ``BlockIndex`` (what the ingestor writes to).
+
+    Reads answer from the writer's own set (what this agent believes the engine holds), not from
+    etcd; routers read etcd through their mirrors.
+    """
+
+    def __init__(self, writer: BlockWriter) -> None:
+        self.writer = writer
+        self.instance = writer.instance_id
+
+    def _check(self, instance: str) -> None:
+        if instance != self.instance:
+            raise ValueError(f"this index holds instance {self.instance!r} only, not {instance!r}")
+
+    async def add(self, instance: str, parent: int | None, hashes: Sequence[int],
+                  medium: str = GPU) -> None:
+        self._check(instance)
+        self.writer.add(parent, hashes, medium)
+
+    async def remove(self, instance: str, hashes: Sequence[int]) -> None:
+        self._check(instance)
+        self.writer.remove(hashes)
+
+    async def clear(self, instance: str) -> None:
+        self._check(instance)
+        self.writer.clear()
+
+    def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
+        n = 0
+        for h in hashes:
+            if h not in self.writer:
+                break
+            n += 1
+        return {self.instance: n} if n else {}
+
+    def medium(self, instance: str, block_hash: int) -> str | None:
+        entry = self.writer.entry(block_hash) if instance == self.instance else None
+        return None if entry is None else entry[0]
+
+    def blocks(self, instance: str) -> set[int]:
+        return set(self.writer.blocks()) if instance == self.instance else set()
+
+    def instances(self) -> set[str]:
+        return {self.instance} if len(self.writer) else set()
+
+
+class InstanceRecord:
+    """Writes the instance record under the agent's lease only while nobody else provides one.
+
+    etcd offers no "put if absent" through our client, so this checks every ``interval``: when
+    the key is missing it is (re)claimed; when it is found under a lease that is not ours, the
+    other writer (normally the instance's bootstrap server) owns it and ours is dropped without a
+    delete. The window between a check and a claim is small; a bootstrap server rewrites its
+    record on every rank change and on every new lease, so it wins any such race for good.
+    """
+
+    def __init__(self, session: LeaseSession, key: bytes, value: dict[str, Any],
+                 interval: float) -> None:
+        self.session = session
+        self.client: EtcdClient = session.client
+        self.key = key
+        self.value = value
+        self.interval = interval
+        self.owner: str | None = None
+        """``"agent"`` (ours), ``"other"`` (someone else's record) or None (not checked yet)."""
+        self.claims = 0
+        self._keys: LeasedKeys | None = None
+        self._keys_task: asyncio.Task[None] | None = None
+
+    async def check(self) -> None:
+        """One round: claim the record if it is missing, give it up if another owner wrote one."""
+        lease = await self.session.wait_lease()
+        kv = await self.client.get(self.key)
+        mine = self._keys
+        if kv is None:
+            if mine is not None and mine.state == "synced" and mine.synced_lease == lease:
+                # Ours, synced, yet gone: deleted behind our back (etcdctl del). LeasedKeys only
+                # rewrites on a change or a new lease, so start over with a fresh claim.
+                await self._drop()
+            if self._keys is None:
+                self._claim()
+            return  # otherwise ours is being rewritten already (new lease, etcd outage)
+        if mine is None:
+            self.owner = "other"
+            return
+        # Ours only if it carries the lease our LeasedKeys last synced with: right after a new
+        # lease, the key can still carry the old one until the resync lands.
+        if kv.lease != mine.synced_lease and mine.synced_lease == lease and mine.state == "synced":
+            logger.info("instance record %s now written by another owner (lease %x); leaving it "
+                        "to them", self.key.decode(), kv.lease)
+            await self._drop()
+            self.owner = "other"
+
+    def _claim(self) -> None:
+        logger.info("no instance record at %s: writing one under the agent's lease",
+                    self.key.decode())
+        keys = LeasedKeys(self.session, [])
+        keys.set(self.key, dumps(self.value))
+        self._keys = keys
+        self._keys_task = asyncio.create_task(keys.run(), name="instance-record")
+        self.owner = "agent"
+        self.claims += 1
+
+    async def _drop(self) -> None:
+        task, self._keys_task, self._keys = self._keys_task, None, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def wait_synced(self, timeout: float | None = None) -> bool:
+        return True if self._keys is None else await self._keys.wait_synced(timeout)
+
+    async def run(self) -> None:
+        """Check every ``interval`` until cancelled; etcd trouble only delays the next check."""
+        try:
+            while True:
+                try:
+                    await self.check()
+                except EtcdError as exc:
+                    logger.debug("instance record check failed, retrying: %s", exc)
+                await asyncio.sleep(self.interval)
+        finally:
+            await self._drop()
+
+
+class IndexAgent:
+    """Subscriber -> ingestor -> block writer for one instance, all under one lease.
+
+    ``await start()``, then ``await close()`` (which revokes the lease: the instance's keys vanish
+    at once; ``close(revoke=False)`` lets them expire with the TTL instead, as a crash would).
+    """
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        layout = config.layout
+        self.client = EtcdClient(config.etcd)
+        self.session = LeaseSession(self.client, config.lease_ttl)
+        self.writer = BlockWriter(self.session, layout, config.model, config.instance_id,
+                                  config.writer)
+        self.ingestor = InstanceIngestor(WriterIndex(self.writer), config.instance_id,
+                                         block_size=config.block_size,
+                                         replay=config.events.replay_endpoint is not None)
+        self.subscriber = KVEventSubscriber(config.events, self.ingestor)
+        self.started_at = time.time()
+        self.record = InstanceRecord(self.session, layout.instance(config.instance_id), {
+            "instance_id": config.instance_id, "role": config.role, "model": config.model,
+            "source": SOURCE, "kv_events": config.events.endpoint, "block_size": config.block_size,
+            "started_at": self.started_at,
+        }, config.record_check_interval)
+        self.publisher = StatsPublisher.with_session(self.session, layout, config.instance_id,
+                                                     self.counters, config.stats_interval)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        cfg = self.config
+        try:
+            await self.subscriber.start()
+        except zmq.ZMQError as exc:
+            await self.subscriber.close()
+            verb = "bind" if cfg.events.binds else "connect to"
+            raise AgentError(cfg.instance_id, f"cannot {verb} KV-event endpoint "
+                             f"{cfg.events.endpoint}: {exc}; check --kv-events") from None
+        try:
+            await self.client.connect()
+        except EtcdError as exc:
+            # The lease loop keeps trying; events are indexed in memory meanwhile and written
+            # by the writer's resync once etcd answers.
+            logger.warning("etcd not reachable at start, retrying: %s", exc)
+        self._tasks = [
+            asyncio.create_task(self.session.run(), name="agent-lease"),
+            self.writer.start(),
+            asyncio.create_task(self.record.run(), name="agent-record"),
+            asyncio.create_task(self.publisher.run(), name="agent-stats"),
+        ]
+        logger.info("index agent %s (%s) started: KV events %s %s, etcd %s", cfg.instance_id,
+                    cfg.model, "bound at" if cfg.events.binds else "from", cfg.events.endpoint,
+                    cfg.etcd.display)
+
+    async def close(self, revoke: bool = True) -> None:
+        """Stop; with ``revoke`` every key of the instance is deleted now (clean shutdown)."""
+        await self.subscriber.close()
+        await self.writer.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if revoke:
+            await self.session.revoke()
+        await self.client.close()
+
+    async def __aenter__(self) -> IndexAgent:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def wait_synced(self, timeout: float | None = None) -> bool:
+        """Wait until etcd holds the current block set (and our instance record, if any)."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        if not await self.writer.wait_synced(timeout):
+            return False
+        left = None if deadline is None else max(0.0, deadline - loop.time())
+        return await self.record.wait_synced(left)
+
+    # --- counters ---------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, Any]:
+        """What is published to the stats key (no timestamp: compared to skip idle rewrites)."""
+        return counters_doc(self.config.model, self.ingestor, self.writer, self.subscriber)
+
+    def stats(self) -> dict[str, Any]:
+        """Everything: subscriber, ingestor, writer, lease, record and publisher counters."""
+        return {
+            "subscriber": self.subscriber.stats(), "writer": self.writer.stats(),
+            "lease": {"id": self.session.lease_id, "healthy": self.session.healthy,
+                      "generation": self.session.generation, "last_error": self.session.last_error},
+            "record_owner": self.record.owner, "stats_publishes": self.publisher.publishes,
+        }
+
+
+def counters_doc(model: str, ingestor: InstanceIngestor, writer: BlockWriter,
+                 subscriber: KVEventSubscriber | None = None) -> dict[str, Any]:
+    """The stats-key document of one ingesting instance (``kvatlas index stats`` reads it).
+
+    For any process that ingests KV events into a ``BlockWriter`` (this agent, or an engine
+    indexing its own cache through ``WriterIndex``): pass it as the source of a
+    ``StatsPublisher``, e.g. ``lambda: counters_doc(model, ingestor, writer)``.
+    """
+    st = ingestor.stats
+    doc: dict[str, Any] = {
+        "instance_id": ingestor.instance, "model": model, "source": SOURCE,
+        "state": ingestor.state, "last_seq": st.last_seq, "batches": st.batches,
+        "applied": st.applied, "rejected": dict(st.rejected), "gaps": st.gaps,
+        "replays": st.replays, "clears": st.clears, "restarts": st.restarts,
+        "blocks": len(writer), "writer_state": writer.state, "pending": writer.pending,
+        "write_lag_s": round(writer.lag, 3),
+    }
+    if subscriber is not None:
+        doc["malformed"] = dict(subscriber.malformed)
+        doc["received"] = subscriber.received
+    return doc
+
+
+async def run_agent(config: AgentConfig, stop: asyncio.Event | None = None) -> dict[str, Any]:
+    """Run an agent until ``stop`` is set (forever without one); returns its final ``stats()``."""
+    agent = IndexAgent(config)
+    await agent.start()
+    try:
+        await (stop.wait() if stop is not None else asyncio.Event().wait())
+    finally:
+        stats = agent.stats()
+        await agent.close()
+    return stats
+

@@ -1,0 +1,336 @@
+"""The read side of the etcd block index: an in-memory mirror kept by get-then-watch.
+
+A ``BlockMirror`` reads every block key of one model (or of all models) at one revision, then
+watches from that revision + 1 and applies each put/delete to a ``BlockTable`` (the same structure
+the memory backend uses, so lookups cost the same). After a disconnect it resumes from the last
+applied revision + 1; when etcd has compacted that revision away it reloads everything. Instance
+death needs nothing special: etcd deletes the keys with the lease and the deletes arrive here as
+ordinary watch events.
+
+Lag is measured two ways: seconds between a writer's write time (the ``"t"`` field of each value)
+and the moment the put is applied here, and revisions between etcd's head (learned from watch
+progress notifications) and the last applied revision.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+from index.errors import EtcdCompacted, EtcdError
+from index.etcd import EtcdClient, WatchBatch
+from index.keys import KeyLayout, validate_model
+from index.lease import Backoff
+from index.table import GPU, BlockTable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BlockMirrorConfig:
+    """How a ``BlockMirror`` follows etcd."""
+
+    progress_every: float = 1.0
+    """Seconds between watch progress requests, which tell an idle mirror etcd's head revision
+    (for ``revision_lag``)."""
+    lag_samples: int = 8192
+    """Recent per-put lag samples kept for the p50/p99 of ``lag_stats()``."""
+
+    def __post_init__(self) -> None:
+        if not 0.01 <= self.progress_every <= 60:
+            raise ValueError(f"progress_every must be within [0.01, 60] s, got {self.progress_every}")
+        if self.lag_samples < 1:
+            raise ValueError(f"lag_samples must be >= 1, got {self.lag_samples}")
+
+
+class BlockMirror:
+    """In-memory mirror of ``/blocks/{model}/`` (or of ``/blocks/`` when ``model`` is None)."""
+
+    def __init__(self, client: EtcdClient, layout: KeyLayout, model: str | None = None,
+                 config: BlockMirrorConfig | None = None) -> None:
+        self.client = client
+        self.layout = layout
+        self.model = validate_model(model) if model is not None else None
+        self.config = config or BlockMirrorConfig()
+        self.prefix = layout.blocks_prefix(model)
+        self._root_len = len(layout.blocks_prefix())
+        self.tables: dict[str, BlockTable] = {}
+        self.revision = 0
+        """Every event up to this etcd revision is applied."""
+        self.store_revision = 0
+        """The newest etcd revision this mirror has heard of."""
+        self.ready = False
+        self._ready = asyncio.Event()
+        self._advanced = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._models: dict[bytes, str] = {}
+        self._names: dict[bytes, str] = {}
+        self._media: dict[bytes, str] = {}
+        self._lags: deque[float] = deque(maxlen=self.config.lag_samples)
+        self.last_error: str | None = None
+        self.puts = 0
+        self.deletes = 0
+        self.batches = 0
+        self.reloads = 0
+        self.compactions = 0
+        self.resumes = 0
+        self.disconnects = 0
+        self.bad_keys = 0
+
+    # --- reads ------------------------------------------------------------------------------
+
+    def table(self, model: str | None = None) -> BlockTable:
+        """The table of ``model`` (this mirror's model by default); read it, never write it."""
+        name = model if model is not None else self.model
+        if name is None:
+            raise ValueError("this mirror follows every model: pass model=")
+        # An unknown model reads as empty without being stored: asking must not grow the mirror.
+        table = self.tables.get(name)
+        return table if table is not None else BlockTable()
+
+    def _writable(self, model: str) -> BlockTable:
+        table = self.tables.get(model)
+        if table is None:
+            table = self.tables[model] = BlockTable()
+        return table
+
+    def lookup(self, hashes: Sequence[int], model: str | None = None) -> dict[str, int]:
+        """``{instance: leading blocks of hashes held}`` as of ``revision``."""
+        return self.table(model).lookup(hashes)
+
+    def blocks(self, instance: str, model: str | None = None) -> set[int]:
+        return self.table(model).blocks(instance)
+
+    def instances(self, model: str | None = None) -> set[str]:
+        return self.table(model).instances()
+
+    @property
+    def revision_lag(self) -> int:
+        """Revisions between etcd's newest known revision and the last applied one."""
+        return max(0, self.store_revision - self.revision)
+
+    def lag_stats(self) -> dict[str, float]:
+        """p50/p99/max of recent write-to-apply lags in seconds (needs synchronized clocks)."""
+        if not self._lags:
+            return {"samples": 0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+        s = sorted(self._lags)
+        n = len(s)
+        return {"samples": n, "p50": s[n // 2], "p99": s[min(n - 1, (n * 99) // 100)],
+                "max": s[-1]}
+
+    def reset_lag(self) -> None:
+        self._lags.clear()
+
+    def stats(self) -> dict[str, object]:
+        return {
+            "model": self.model, "ready": self.ready, "revision": self.revision,
+            "store_revision": self.store_revision, "revision_lag": self.revision_lag,
+            "blocks": {m: len(t) for m, t in self.tables.items()},
+            "puts": self.puts, "deletes": self.deletes, "batches": self.batches,
+            "reloads": self.reloads, "compactions": self.compactions, "resumes": self.resumes,
+            "disconnects": self.disconnects, "bad_keys": self.bad_keys,
+            "lag_s": self.lag_stats(), "last_error": self.last_error,
+        }
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait for the first full load; False on timeout."""
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def wait_revision(self, revision: int, timeout: float | None = None) -> bool:
+        """Wait until every event up to ``revision`` is applied; False on timeout.
+
+        ``revision`` should be one that changed a watched key (a writer's transaction revision):
+        only events move the applied revision forward.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.revision < revision:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._advanced.clear()
+            try:
+                await asyncio.wait_for(self._advanced.wait(), left)
+            except asyncio.TimeoutError:
+                return self.revision >= revision
+        return True
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> asyncio.Task[None]:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self.run(), name=f"block-mirror-{self.model}")
+        return self._task
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def run(self) -> None:
+        """Follow etcd until cancelled. Never raises on etcd trouble: resumes or reloads."""
+        backoff = Backoff()
+        reload = True
+        while True:
+            try:
+                if reload:
+                    await self.reload()
+                    reload = False
+                async for batch in self.client.watch_prefix(self.prefix, self.revision + 1,
+                                                            self.config.progress_every):
+                    self._on_batch(batch)
+                    backoff.reset()
+            except EtcdCompacted as exc:
+                self.compactions += 1
+                logger.warning("block mirror %s: revision %d compacted (up to %d); reloading",
+                               self.model, self.revision + 1, exc.compact_revision)
+                reload = True
+            except EtcdError as exc:
+                self.disconnects += 1
+                self.last_error = str(exc)
+                logger.warning("block mirror %s: watch broke at revision %d, resuming: %s",
+                               self.model, self.revision, exc)
+                await asyncio.sleep(backoff.next())
+                if not reload:
+                    self.resumes += 1
+
+    async def reload(self) -> None:
+        """Replace the whole mirror with a fresh snapshot (start-up and after compaction)."""
+        revision, kvs = await self.client.get_prefix(self.prefix)
+        groups: dict[tuple[str, str, str], list[int]] = {}
+        for kv in kvs:
+            parsed = self._parse(kv.key)
+            if parsed is None:
+                continue
+            model, instance, h = parsed
+            groups.setdefault((model, instance, self._medium(kv.value)), []).append(h)
+        tables: dict[str, BlockTable] = {}
+        for (model, instance, medium), hashes in groups.items():
+            table = tables.get(model)
+            if table is None:
+                table = tables[model] = BlockTable()
+            table.apply_add(instance, hashes, medium)
+        if self.model is not None:
+            tables.setdefault(self.model, BlockTable())
+        # Swap at once: lookups see either the old or the new state, never a half-built one.
+        self.tables = tables
+        self.revision = revision
+        self.store_revision = max(self.store_revision, revision)
+        self.reloads += 1
+        self.ready = True
+        self._ready.set()
+        self._advanced.set()
+        logger.info("block mirror %s loaded %d keys at revision %d", self.model, len(kvs), revision)
+
+    # --- applying watch events --------------------------------------------------------------
+
+    def _on_batch(self, batch: WatchBatch) -> None:
+        # Only events move ``revision`` (the resume point). Progress notifications and the
+        # "created" response only tell etcd's head: before etcd 3.5.8 a progress notification can
+        # overtake events of lower revisions still on their way (etcd issue 15220), so trusting
+        # it could make a resume skip them.
+        self.store_revision = max(self.store_revision, batch.revision)
+        if batch.events:
+            self.batches += 1
+            self._apply(batch)
+            revs = [getattr(ev, "mod_revision", 0) for ev in batch.events]
+            # Without per-event revisions the header revision is the best available; it is exact
+            # except for catch-up responses spanning more than 1,000 revisions.
+            rev = max(revs) if all(revs) else batch.revision
+            self.revision = max(self.revision, rev)
+            self._advanced.set()
+
+    def _apply(self, batch: WatchBatch) -> None:
+        # Consecutive events of one kind for one instance are applied as one table call.
+        run_key: tuple[bool, str, str, str] | None = None
+        run: list[int] = []
+        stamps: list[float] = []
+        for ev in batch.events:
+            parsed = self._parse(ev.key)
+            if parsed is None:
+                continue
+            model, instance, h = parsed
+            if ev.put:
+                medium = self._medium(ev.value)
+                t = _write_time(ev.value)
+                if t is not None:
+                    stamps.append(t)
+            else:
+                medium = GPU
+            key = (ev.put, model, instance, medium)
+            if key != run_key:
+                self._flush_run(run_key, run)
+                run_key, run = key, []
+            run.append(h)
+        self._flush_run(run_key, run)
+        if stamps:
+            now = time.time()
+            self._lags.extend(now - t for t in stamps)
+
+    def _flush_run(self, key: tuple[bool, str, str, str] | None, hashes: list[int]) -> None:
+        if key is None or not hashes:
+            return
+        put, model, instance, medium = key
+        table = self._writable(model)
+        if put:
+            self.puts += len(hashes)
+            table.apply_add(instance, hashes, medium)
+        else:
+            self.deletes += len(hashes)
+            table.apply_remove(instance, hashes)
+
+    def _parse(self, key: bytes) -> tuple[str, str, int] | None:
+        parts = key[self._root_len:].split(b"/")
+        if len(parts) != 3 or len(parts[2]) != 16:
+            self.bad_keys += 1
+            return None
+        raw_model, raw_instance, raw_hash = parts
+        try:
+            h = int(raw_hash, 16)
+        except ValueError:
+            self.bad_keys += 1
+            return None
+        model = self._models.get(raw_model)
+        if model is None:
+            model = self._models[raw_model] = unquote(raw_model.decode())
+        instance = self._names.get(raw_instance)
+        if instance is None:
+            instance = self._names[raw_instance] = raw_instance.decode()
+        return model, instance, h
+
+    def _medium(self, value: bytes) -> str:
+        # The writer formats values itself, so the medium sits at a known place; anything else
+        # (a value written by another tool) falls back to JSON.
+        if value.startswith(b'{"m":"'):
+            end = value.find(b'"', 6)
+            if end > 0:
+                raw = value[6:end]
+                medium = self._media.get(raw)
+                if medium is None:
+                    medium = self._media[raw] = raw.decode(errors="replace")
+                return medium
+        try:
+            doc = json.loads(value)
+            medium = doc.get("m", GPU) if isinstance(doc, dict) else GPU
+            return medium if isinstance(medium, str) else GPU
+        except ValueError:
+            return GPU
+
+
+def _write_time(value: bytes) -> float | None:
+    i = value.rfind(b'"t":')
+    if i < 0:
+        return None
+    try:
+        return float(value[i + 4:].rstrip(b"} "))
+    except ValueError:
+        return None

@@ -1,0 +1,238 @@
+"""The in-memory block table behind every ``BlockIndex`` read path.
+
+One structure, shared by the memory backend and the etcd mirror, so that both answer ``lookup``
+the same way and at the same speed:
+
+- instance ids are interned to small integer *slots*; slot ``s`` is bit ``1 << s``;
+- ``masks``: block hash -> int bitmask of the slots holding it (one dict entry per distinct
+  block, whatever the number of instances holding it);
+- ``held``: per slot, the set of hashes it holds (for ``blocks``, ``clear`` and resync);
+- ``media``: only for blocks held on something other than the GPU, ``hash -> {slot: medium}``;
+  GPU is the common case and costs nothing extra.
+
+``lookup`` walks the prompt's hashes with ``active &= mask`` and records, for each bit that
+drops, the number of blocks matched so far; it stops as soon as no instance matches any more.
+Cost: one dict probe and one big-int AND per prompt block (the AND is O(instances / 64) words),
+independent of the number of blocks indexed.
+
+Not thread-safe: every caller runs it on one asyncio loop.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+GPU = "GPU"
+
+
+class BlockTable:
+    """Blocks held per instance, with a fast longest-prefix lookup across instances."""
+
+    __slots__ = ("_slots", "_names", "_bits", "_free", "_held", "_masks", "_media")
+
+    def __init__(self) -> None:
+        self._slots: dict[str, int] = {}
+        self._names: list[str | None] = []
+        # One shared int object per slot: a block held by a single instance stores this object
+        # itself as its mask, so single-holder blocks cost no extra int allocation.
+        self._bits: list[int] = []
+        self._free: list[int] = []
+        self._held: list[set[int]] = []
+        self._masks: dict[int, int] = {}
+        self._media: dict[int, dict[int, str]] = {}
+
+    # -- slots -----------------------------------------------------------------------------
+
+    def _slot(self, instance: str) -> int:
+        slot = self._slots.get(instance)
+        if slot is not None:
+            return slot
+        if self._free:
+            # Reuse the lowest free slot so masks stay as narrow as the live instance count.
+            self._free.sort(reverse=True)
+            slot = self._free.pop()
+            self._names[slot] = instance
+        else:
+            slot = len(self._names)
+            self._names.append(instance)
+            self._bits.append(1 << slot)
+            self._held.append(set())
+        self._slots[instance] = slot
+        return slot
+
+    def _release_if_empty(self, slot: int) -> None:
+        if not self._held[slot]:
+            name = self._names[slot]
+            if name is not None:
+                del self._slots[name]
+            self._names[slot] = None
+            self._free.append(slot)
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def apply_add(self, instance: str, hashes: Iterable[int], medium: str | None = GPU) -> None:
+        """Record that ``instance`` holds ``hashes`` on ``medium`` (None means GPU)."""
+        hashes = list(hashes)
+        if not hashes:
+            return
+        slot = self._slot(instance)
+        bit = self._bits[slot]
+        masks = self._masks
+        get = masks.get
+        for h in hashes:
+            m = get(h)
+            masks[h] = bit if m is None else (m | bit)
+        self._held[slot].update(hashes)
+        media = self._media
+        if medium is not None and medium != GPU:
+            for h in hashes:
+                media.setdefault(h, {})[slot] = medium
+        elif media:
+            for h in hashes:
+                self._drop_medium(h, slot)
+
+    def _drop_medium(self, h: int, slot: int) -> None:
+        per = self._media.get(h)
+        if per is not None and per.pop(slot, None) is not None and not per:
+            del self._media[h]
+
+    def apply_remove(self, instance: str, hashes: Iterable[int]) -> None:
+        """Forget ``hashes`` on ``instance``; hashes it does not hold are ignored."""
+        slot = self._slots.get(instance)
+        if slot is None:
+            return
+        held = self._held[slot]
+        bit = self._bits[slot]
+        masks = self._masks
+        media = self._media
+        for h in hashes:
+            if h not in held:
+                continue
+            held.discard(h)
+            self._unset(masks, h, bit)
+            if media:
+                self._drop_medium(h, slot)
+        self._release_if_empty(slot)
+
+    @staticmethod
+    def _unset(masks: dict[int, int], h: int, bit: int) -> None:
+        m = masks[h] & ~bit
+        if m:
+            masks[h] = m
+        else:
+            del masks[h]
+
+    def clear_instance(self, instance: str) -> int:
+        """Forget every block of ``instance``; returns how many it held."""
+        slot = self._slots.get(instance)
+        if slot is None:
+            return 0
+        held = self._held[slot]
+        n = len(held)
+        bit = self._bits[slot]
+        masks = self._masks
+        media = self._media
+        for h in held:
+            self._unset(masks, h, bit)
+            if media:
+                self._drop_medium(h, slot)
+        self._held[slot] = set()
+        self._release_if_empty(slot)
+        return n
+
+    def replace_instance(self, instance: str, blocks: dict[int, str | None]) -> None:
+        """Make ``instance`` hold exactly ``blocks`` (hash -> medium), e.g. after a reload."""
+        self.clear_instance(instance)
+        by_medium: dict[str | None, list[int]] = {}
+        for h, medium in blocks.items():
+            by_medium.setdefault(medium if medium != GPU else None, []).append(h)
+        for medium, hashes in by_medium.items():
+            self.apply_add(instance, hashes, medium)
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self.__init__()  # type: ignore[misc]
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
+        """For each instance holding ``hashes[0]``, how many leading blocks of ``hashes`` it holds."""
+        if not hashes:
+            return {}
+        get = self._masks.get
+        active = get(hashes[0], 0)
+        if not active:
+            return {}
+        names = self._names
+        out: dict[str, int] = {}
+        n = len(hashes)
+        i = 1
+        while i < n:
+            nxt = active & get(hashes[i], 0)
+            if nxt != active:
+                dropped = active ^ nxt
+                while dropped:
+                    low = dropped & -dropped
+                    out[names[low.bit_length() - 1]] = i  # type: ignore[index]
+                    dropped ^= low
+                active = nxt
+                if not active:
+                    return out
+            i += 1
+        while active:
+            low = active & -active
+            out[names[low.bit_length() - 1]] = n  # type: ignore[index]
+            active ^= low
+        return out
+
+    def lookup_detailed(self, hashes: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """``{instance: (matched, gpu_matched)}``: ``gpu_matched`` counts the leading blocks of the
+        match that are on the GPU (the part a prefill can reuse without a host-to-device copy)."""
+        matched = self.lookup(hashes)
+        if not matched:
+            return {}
+        media = self._media
+        out: dict[str, tuple[int, int]] = {}
+        for name, m in matched.items():
+            slot = self._slots[name]
+            gpu = m
+            if media:
+                for i in range(m):
+                    per = media.get(hashes[i])
+                    if per is not None and slot in per:
+                        gpu = i
+                        break
+            out[name] = (m, gpu)
+        return out
+
+    def medium(self, instance: str, h: int) -> str | None:
+        """The medium ``instance`` holds block ``h`` on, or None when it does not hold it."""
+        slot = self._slots.get(instance)
+        if slot is None or h not in self._held[slot]:
+            return None
+        per = self._media.get(h)
+        return per.get(slot, GPU) if per else GPU
+
+    def blocks(self, instance: str) -> set[int]:
+        """A copy of the hashes ``instance`` holds."""
+        slot = self._slots.get(instance)
+        return set(self._held[slot]) if slot is not None else set()
+
+    def count(self, instance: str) -> int:
+        slot = self._slots.get(instance)
+        return len(self._held[slot]) if slot is not None else 0
+
+    def holds(self, instance: str, h: int) -> bool:
+        slot = self._slots.get(instance)
+        return slot is not None and h in self._held[slot]
+
+    def instances(self) -> set[str]:
+        """Instances holding at least one block."""
+        return set(self._slots)
+
+    def __len__(self) -> int:
+        """Distinct blocks indexed (a block held by several instances counts once)."""
+        return len(self._masks)
+
+    def entries(self) -> int:
+        """(instance, block) pairs indexed."""
+        return sum(len(s) for s in self._held)

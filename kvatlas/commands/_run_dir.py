@@ -1,0 +1,54 @@
+"""The etcd a command talks to: ``--etcd`` if given, else the local cluster's (``--run-dir``).
+
+``kvatlas cluster up`` (issue #7) writes ``<run-dir>/cluster.json`` with its etcd address under the
+key ``etcd``; commands run next to that cluster then need no ``--etcd``. Without the file the
+default ``127.0.0.1:2379`` applies.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from index.etcd import EtcdSettings
+from kvatlas.cli import CLIError
+from kvatlas.commands._common import DEFAULT_ETCD, add_etcd_args, etcd_settings
+
+DEFAULT_RUN_DIR = ".kvatlas/run"
+
+
+def add_cluster_etcd_args(parser: argparse.ArgumentParser, timeout: float | None = None) -> None:
+    """The etcd flags plus ``--run-dir``; ``timeout`` overrides the per-call default."""
+    add_etcd_args(parser)
+    parser.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
+                        help="local cluster run directory: without --etcd, the etcd of "
+                             f"<run-dir>/cluster.json is used when it exists (default "
+                             f"{DEFAULT_RUN_DIR}), else {DEFAULT_ETCD}")
+    if timeout is not None:
+        parser.set_defaults(etcd_timeout=timeout)
+
+
+def resolve_etcd(args: argparse.Namespace) -> str:
+    """``--etcd`` if given, else ``etcd`` of ``<run-dir>/cluster.json`` if present, else default."""
+    if args.etcd:
+        return str(args.etcd)
+    path = Path(getattr(args, "run_dir", DEFAULT_RUN_DIR)) / "cluster.json"
+    if not path.is_file():
+        return DEFAULT_ETCD
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"cannot read {path}: {exc}; fix it or pass --etcd") from None
+    etcd = doc.get("etcd") if isinstance(doc, dict) else None
+    if etcd is None:
+        return DEFAULT_ETCD
+    if isinstance(etcd, list) and etcd and all(isinstance(e, str) for e in etcd):
+        return ",".join(etcd)
+    if not isinstance(etcd, str) or not etcd:
+        raise CLIError(f"{path}: 'etcd' must be 'HOST:PORT[,HOST:PORT]', got {etcd!r}")
+    return etcd
+
+
+def cluster_etcd_settings(args: argparse.Namespace) -> EtcdSettings:
+    args.etcd = resolve_etcd(args)
+    return etcd_settings(args)

@@ -1,0 +1,237 @@
+"""``kvatlas index agent|query|stats``: the global KV block index from the command line.
+
+- ``agent`` indexes one engine that publishes KV events (vLLM, SGLang, ours) into etcd.
+- ``query`` says which instance holds the longest prefix of a prompt.
+- ``stats`` shows each instance's indexed blocks and ingestion counters, then etcd's size.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from engine.tokenizer import BOS_ID, ByteTokenizer
+from index.agent import AgentConfig, AgentError, IndexAgent
+from index.etcd import EtcdClient
+from index.hashing import DEFAULT_BLOCK_SIZE, MAX_TOKEN_ID, block_hashes, namespace_seed
+from index.keys import validate_model
+from index.table import BlockTable
+from kvatlas.cli import CLIError
+from kvatlas.commands._common import key_layout
+from kvatlas.commands._index_stats import add_stats_parser
+from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_etcd_settings
+
+logger = logging.getLogger(__name__)
+
+CLI_ETCD_TIMEOUT = 3.0  # a one-shot command must fail fast when etcd is away
+
+TOKENIZER_HELP = (
+    "Text prompts (--prompt) go through the byte tokenizer of kvatlas's reference engine: the "
+    "UTF-8 bytes of the text are token ids 0-255, preceded by BOS (id 256) exactly as the engine "
+    "does for a text prompt, and the engine's prefix cache hashes that whole sequence, so "
+    "--prompt finds the blocks the engine stored. Use --no-bos for an engine that adds none, and "
+    "--tokens/--tokens-file for engines with other tokenizers (vLLM, SGLang: pass the ids their "
+    "tokenizer produced). Block hashes follow the DESIGN contract (chained XXH3, seed 1337, or "
+    "the --lora/--cache-salt namespace)."
+)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("index", help="the global KV block index in etcd")
+    sub = parser.add_subparsers(dest="index_command", metavar="ACTION", required=True)
+
+    agent = sub.add_parser(
+        "agent", help="index an engine's KV events (vLLM, SGLang, kvatlas) into etcd",
+        description="Subscribe to one engine's KV events (ZMQ, vLLM/SGLang wire format) and keep "
+                    "its blocks in etcd under the instance's lease. With a tcp endpoint on a "
+                    "concrete host the engine connects and the agent binds (vLLM's rule); pass "
+                    "--kv-events-connect to reach an engine that binds '*'.")
+    AgentConfig.add_cli_args(agent)
+    add_cluster_etcd_args(agent)
+    agent.set_defaults(func=cmd_agent)
+
+    query = sub.add_parser(
+        "query", help="which instance holds the longest prefix of a prompt",
+        description="Hash a prompt into blocks and count, per instance, how many leading blocks "
+                    "it holds in the etcd index (one snapshot read). " + TOKENIZER_HELP)
+    query.add_argument("--model", required=True, help="model whose index to query")
+    src = query.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (byte tokenizer, BOS first; see above)")
+    src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3 (uint32)")
+    src.add_argument("--tokens-file", metavar="FILE",
+                     help="file of token ids (comma/whitespace separated, or a JSON list); - = stdin")
+    query.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                       help=f"block size in tokens (default {DEFAULT_BLOCK_SIZE})")
+    query.add_argument("--no-bos", action="store_true", help="do not prepend BOS to --prompt")
+    query.add_argument("--lora", default=None, help="LoRA name (changes the hash namespace)")
+    query.add_argument("--cache-salt", default=None, help="cache salt (changes the hash namespace)")
+    query.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_cluster_etcd_args(query, CLI_ETCD_TIMEOUT)
+    query.set_defaults(func=cmd_query)
+
+    stats = add_stats_parser(sub)
+    add_cluster_etcd_args(stats, CLI_ETCD_TIMEOUT)
+
+
+def console() -> Console:
+    return Console(width=None if sys.stdout.isatty() else 200)
+
+
+# --- agent -----------------------------------------------------------------------------------
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    config = AgentConfig.from_cli_args(args, etcd=cluster_etcd_settings(args))
+    try:
+        asyncio.run(_serve_agent(config))
+    except AgentError as exc:
+        raise CLIError(str(exc)) from None
+    return 0
+
+
+async def _serve_agent(config: AgentConfig) -> None:
+    """Run until SIGTERM/SIGINT, then revoke the lease so the instance's keys vanish at once."""
+    agent = IndexAgent(config)
+    await agent.start()
+    try:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        ev = config.events
+        print(f"kvatlas index agent: instance {config.instance_id} model {config.model}: KV events "
+              f"{'bound at' if ev.binds else 'from'} {agent.subscriber.last_endpoint()}"
+              f"{f', replay {ev.replay_endpoint}' if ev.replay_endpoint else ''}; etcd "
+              f"{config.etcd.display} prefix {config.etcd_prefix}", flush=True)
+        await stop.wait()
+    finally:
+        await agent.close()
+    st = agent.ingestor.stats
+    print(f"kvatlas index agent: stopped after {st.applied} events applied, "
+          f"{sum(st.rejected.values())} rejected; lease revoked", flush=True)
+
+
+# --- query -----------------------------------------------------------------------------------
+
+
+def parse_tokens(text: str, source: str) -> list[int]:
+    """Token ids from ``1,2,3`` / whitespace-separated text / a JSON list; CLIError names the bad one."""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            items = json.loads(stripped)
+        except ValueError as exc:
+            raise CLIError(f"{source}: not a JSON list of token ids: {exc}") from None
+        if not isinstance(items, list):
+            raise CLIError(f"{source}: expected a JSON list of token ids")
+        raw = items
+    else:
+        raw = [t for t in stripped.replace(",", " ").split() if t]
+    if not raw:
+        raise CLIError(f"{source}: no token ids given")
+    out: list[int] = []
+    for i, item in enumerate(raw):
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise CLIError(f"{source}: token #{i} {item!r} is not an integer")
+        try:
+            tok = int(item)
+        except ValueError:
+            raise CLIError(f"{source}: token #{i} {item!r} is not an integer") from None
+        if not 0 <= tok <= MAX_TOKEN_ID:
+            raise CLIError(f"{source}: token #{i} {tok} is outside the uint32 range "
+                           f"[0, {MAX_TOKEN_ID}]")
+        out.append(tok)
+    return out
+
+
+def prompt_tokens(args: argparse.Namespace) -> list[int]:
+    if args.prompt is not None:
+        try:
+            return ByteTokenizer().encode(args.prompt, add_bos=not args.no_bos)
+        except UnicodeEncodeError:
+            raise CLIError("--prompt is not valid UTF-8 (it contains a lone surrogate)") from None
+    if args.tokens is not None:
+        return parse_tokens(args.tokens, "--tokens")
+    path = args.tokens_file
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CLIError(f"--tokens-file: cannot read {path}: {exc}") from None
+    return parse_tokens(text, f"--tokens-file {path}")
+
+
+async def fetch_table(args: argparse.Namespace, model: str) -> BlockTable:
+    """Every block key of ``model`` (keys only, one snapshot) as a ``BlockTable``."""
+    layout = key_layout(args)
+    async with EtcdClient(cluster_etcd_settings(args)) as client:
+        _, kvs = await client.get_prefix(layout.blocks_prefix(model), keys_only=True)
+    per_instance: dict[str, list[int]] = {}
+    for kv in kvs:
+        try:
+            _, instance, h = layout.parse_block(kv.key)
+        except ValueError:
+            continue  # not a canonical block key (written by another tool): not ours to count
+        per_instance.setdefault(instance, []).append(h)
+    table = BlockTable()
+    for instance, hashes in per_instance.items():
+        table.apply_add(instance, hashes)
+    return table
+
+
+def query_result(table: BlockTable, tokens: list[int], block_size: int,
+                 seed: int) -> dict[str, Any]:
+    hashes = block_hashes(tokens, block_size, seed)
+    matched = table.lookup(hashes)
+    rows = []
+    for instance in table.instances():
+        m = matched.get(instance, 0)
+        rows.append({"instance_id": instance, "matched_blocks": m,
+                     "matched_tokens": m * block_size,
+                     "fraction": round(m * block_size / len(tokens), 6) if tokens else 0.0})
+    rows.sort(key=lambda r: (-r["matched_blocks"], r["instance_id"]))
+    return {"prompt_blocks": len(hashes), "instances": rows}
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    validate_model(args.model)
+    if not 1 <= args.block_size <= 65536:
+        raise CLIError(f"--block-size must be within [1, 65536], got {args.block_size}")
+    tokens = prompt_tokens(args)
+    seed = namespace_seed(args.lora, args.cache_salt)
+    table = asyncio.run(fetch_table(args, args.model))
+    result = query_result(table, tokens, args.block_size, seed)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print_query(args, tokens, result)
+    return 0
+
+
+def print_query(args: argparse.Namespace, tokens: list[int], result: dict[str, Any]) -> None:
+    out = console()
+    bos = " (BOS first)" if args.prompt is not None and tokens and tokens[0] == BOS_ID else ""
+    title = (f"model {args.model}: prompt of {len(tokens)} tokens{bos}, "
+             f"{result['prompt_blocks']} full blocks of {args.block_size}")
+    rows = result["instances"]
+    out.print(title)
+    if not rows:
+        out.print(f"no blocks indexed for model {args.model}")
+        return
+    table = Table()
+    for col in ("instance", "matched blocks", "matched tokens", "fraction"):
+        table.add_column(col, justify="left" if col == "instance" else "right")
+    for r in rows:
+        table.add_row(r["instance_id"], str(r["matched_blocks"]), str(r["matched_tokens"]),
+                      f"{100 * r['fraction']:.1f}%")
+    out.print(table)
+    if result["prompt_blocks"] == 0:
+        out.print(f"the prompt is shorter than one block ({args.block_size} tokens): "
+                  "nothing can match")
