@@ -45,6 +45,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvatlas: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

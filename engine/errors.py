@@ -1,0 +1,46 @@
+"""Engine exceptions. Each carries what went wrong and what to change; the HTTP layer maps
+``BadRequest`` to 400 and ``CapacityError`` to 503."""
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of the engine's own errors."""
+
+
+class BadRequest(EngineError):
+    """A request the engine refuses as given (HTTP 400)."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class CapacityError(EngineError):
+    """A request that can never fit in the KV pool, however long it waits (HTTP 503)."""
+
+    def __init__(self, needed_pages: int, capacity_pages: int, page_size: int) -> None:
+        super().__init__(
+            f"request needs {needed_pages} KV pages of {page_size} tokens but the pool holds "
+            f"{capacity_pages}; shorten the prompt or max_new_tokens, or start the engine with "
+            f"more --num-pages")
+        self.needed_pages = needed_pages
+        self.capacity_pages = capacity_pages
+
+
+class PoolExhausted(EngineError):
+    """Not enough free pages right now (the scheduler queues the request)."""
+
+    def __init__(self, needed: int, free: int, capacity: int) -> None:
+        super().__init__(f"need {needed} free KV pages, {free} of {capacity} free")
+        self.needed = needed
+        self.free = free
+        self.capacity = capacity
+
+
+class RequestAborted(EngineError):
+    """The request was aborted (client went away or abort was called)."""
+
+    def __init__(self, rid: str) -> None:
+        super().__init__(f"request {rid} aborted")
+        self.rid = rid

@@ -1,0 +1,103 @@
+"""Pieces shared by the engine's HTTP handlers: app state, errors as JSON, SSE, running one
+request to completion."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from engine.config import ModelConfig
+from engine.errors import BadRequest, CapacityError
+from engine.protocol import GenInput, load_json
+from engine.runner import AsyncEngine
+from engine.scheduler import RequestOutput
+from engine.serve_config import EngineServerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineState:
+    config: EngineServerConfig
+    model: ModelConfig
+    engine: AsyncEngine
+    registry: CollectorRegistry
+    model_path: str
+    started: float
+
+
+CONFIG_KEY = web.AppKey("engine_config", EngineServerConfig)
+STATE_KEY = web.AppKey("engine_state", EngineState)
+
+
+def state(request: web.Request) -> EngineState:
+    return request.app[STATE_KEY]
+
+
+def json_error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request,
+                           handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                           ) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return json_error(400, str(exc))
+    except CapacityError as exc:
+        return json_error(503, str(exc))
+    except web.HTTPException as exc:
+        if exc.status >= 400 and exc.content_type != "application/json":
+            return json_error(exc.status, exc.reason)
+        raise
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # the process never dies for one request
+        log.exception("%s %s failed", request.method, request.path)
+        return json_error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def read_body(request: web.Request) -> dict[str, Any]:
+    return load_json(await request.read())
+
+
+# -- generation helpers ------------------------------------------------------------------------
+async def collect(st: EngineState, gi: GenInput) -> tuple[list[int], str, RequestOutput]:
+    """Run one request to the end; returns (output ids, text, last output)."""
+    ids: list[int] = []
+    text: list[str] = []
+    last: RequestOutput | None = None
+    async with contextlib.aclosing(st.engine.generate(gi.prompt, gi.params, gi.rid)) as gen:
+        async for out in gen:
+            ids.extend(out.new_ids)
+            text.append(out.text_delta)
+            last = out
+    assert last is not None
+    if last.error:
+        raise RuntimeError(last.error)
+    return ids, "".join(text), last
+
+
+def check_fits(st: EngineState, gi: GenInput) -> None:
+    st.engine.scheduler.check_fits(len(gi.prompt), gi.params.max_new_tokens)
+
+
+async def sse_response(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp
+
+
+async def sse_send(resp: web.StreamResponse, payload: dict[str, Any] | str) -> None:
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    await resp.write(f"data: {data}\n\n".encode())

@@ -1,0 +1,255 @@
+"""Parsing and validation of SGLang ``/generate`` and OpenAI request bodies.
+
+Everything a client can get wrong raises ``BadRequest(field, reason)`` (HTTP 400): wrong JSON
+types, empty prompts, prompts longer than the model's positions, ``max_new_tokens`` out of range,
+negative temperatures, text that is not valid UTF-8 (lone surrogates) and ids outside the vocab.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import ModelConfig
+from engine.errors import BadRequest
+from engine.sampling import MAX_SEED, SamplingParams
+from engine.tokenizer import ByteTokenizer
+
+TOKENIZER = ByteTokenizer()
+DEFAULT_MAX_NEW_TOKENS = 128
+OPENAI_COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class GenInput:
+    """One prompt to generate for, validated."""
+
+    prompt: list[int]
+    params: SamplingParams
+    rid: str | None = None
+
+
+def load_json(raw: bytes) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest("body", f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadRequest("body", f"not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body", "must be a JSON object")
+    return body
+
+
+# -- typed field access ----------------------------------------------------------------------
+def _int(d: dict[str, Any], key: str, default: int | None, lo: int | None = None,
+         hi: int | None = None, prefix: str = "") -> int | None:
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise BadRequest(prefix + key, f"must be an integer, got {type(v).__name__}")
+    if lo is not None and v < lo:
+        raise BadRequest(prefix + key, f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise BadRequest(prefix + key, f"must be <= {hi}, got {v}")
+    return v
+
+
+def _float(d: dict[str, Any], key: str, default: float, prefix: str = "") -> float:
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise BadRequest(prefix + key, f"must be a number, got {type(v).__name__}")
+    if v != v or v in (float("inf"), float("-inf")):
+        raise BadRequest(prefix + key, "must be finite")
+    return float(v)
+
+
+def _bool(d: dict[str, Any], key: str, default: bool, prefix: str = "") -> bool:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(prefix + key, f"must be a boolean, got {type(v).__name__}")
+    return v
+
+
+def _stop(d: dict[str, Any], key: str, prefix: str = "") -> list[str]:
+    v = d.get(key)
+    if v is None:
+        return []
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise BadRequest(prefix + key, "must be a non-empty string or a list of non-empty strings")
+    for s in items:
+        _check_text(s, prefix + key)
+    return list(items)
+
+
+def _check_text(text: str, field: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(field, "is not valid UTF-8 (contains a lone surrogate)") from None
+
+
+def encode_text(text: object, field: str, add_bos: bool = True) -> list[int]:
+    if not isinstance(text, str):
+        raise BadRequest(field, f"must be a string, got {type(text).__name__}")
+    if not text:
+        raise BadRequest(field, "must not be empty")
+    _check_text(text, field)
+    return TOKENIZER.encode(text, add_bos=add_bos)
+
+
+def check_ids(ids: object, field: str, vocab: int) -> list[int]:
+    if not isinstance(ids, list):
+        raise BadRequest(field, f"must be a list of token ids, got {type(ids).__name__}")
+    if not ids:
+        raise BadRequest(field, "must not be empty")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise BadRequest(f"{field}[{i}]", f"must be an integer, got {type(t).__name__}")
+        if not 0 <= t < vocab:
+            raise BadRequest(f"{field}[{i}]", f"token id {t} is outside the vocab [0, {vocab})")
+    return list(ids)
+
+
+def check_prompt_len(prompt: list[int], field: str, model: ModelConfig) -> None:
+    if len(prompt) >= model.max_positions:
+        raise BadRequest(field, f"prompt has {len(prompt)} tokens; the model takes at most "
+                                f"{model.max_positions - 1} (max positions {model.max_positions})")
+
+
+def build_params(d: dict[str, Any], prompt_len: int, model: ModelConfig, *, max_key: str,
+                 default_max: int, prefix: str = "") -> SamplingParams:
+    """SamplingParams from SGLang or OpenAI fields in ``d`` (validated)."""
+    room = model.max_positions - prompt_len
+    max_new = _int(d, max_key, None, lo=1, hi=model.max_positions, prefix=prefix)
+    if max_new is None:
+        max_new = min(default_max, room)
+    elif max_new > room:
+        raise BadRequest(prefix + max_key,
+                         f"{max_new} new tokens after a {prompt_len}-token prompt exceed the "
+                         f"model's {model.max_positions} positions; ask for at most {room}")
+    temperature = _float(d, "temperature", 1.0, prefix)
+    if temperature < 0:
+        raise BadRequest(prefix + "temperature", f"must be >= 0, got {temperature}")
+    top_p = _float(d, "top_p", 1.0, prefix)
+    if not 0 < top_p <= 1:
+        raise BadRequest(prefix + "top_p", f"must be in (0, 1], got {top_p}")
+    top_k = _int(d, "top_k", -1, lo=-1, prefix=prefix)
+    stop_ids = d.get("stop_token_ids")
+    if stop_ids is not None:
+        stop_ids = check_ids(stop_ids, prefix + "stop_token_ids", model.vocab_size)
+    return SamplingParams(
+        max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k or -1,
+        stop=_stop(d, "stop", prefix), stop_token_ids=stop_ids or [],
+        ignore_eos=_bool(d, "ignore_eos", False, prefix),
+        seed=_int(d, "seed", None, lo=0, hi=MAX_SEED, prefix=prefix))
+
+
+# -- SGLang /generate -------------------------------------------------------------------------
+def parse_generate(body: dict[str, Any], model: ModelConfig) -> tuple[list[GenInput], bool, bool]:
+    """(inputs, is_batch, stream) of a ``/generate`` body."""
+    stream = _bool(body, "stream", False)
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("text", "give exactly one of text or input_ids")
+    if text is not None:
+        batch = isinstance(text, list)
+        prompts = [encode_text(t, f"text[{i}]" if batch else "text")
+                   for i, t in enumerate(text if batch else [text])]
+    else:
+        batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = [check_ids(p, f"input_ids[{i}]" if batch else "input_ids", model.vocab_size)
+                   for i, p in enumerate(ids if batch else [ids])]
+    if batch and not prompts:
+        raise BadRequest("text" if text is not None else "input_ids", "batch must not be empty")
+    if batch and stream:
+        raise BadRequest("stream", "streaming is supported for a single prompt only")
+    sp = body.get("sampling_params", {})
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise BadRequest("sampling_params", f"must be an object, got {type(sp).__name__}")
+    rid = body.get("rid")
+    if batch:
+        if rid is not None and not (isinstance(rid, list) and len(rid) == len(prompts)
+                                    and all(isinstance(r, str) and r for r in rid)
+                                    and len(set(rid)) == len(rid)):
+            raise BadRequest("rid", "for a batch, must be a list of distinct ids, one per prompt")
+    elif rid is not None and not (isinstance(rid, str) and rid):
+        raise BadRequest("rid", "must be a non-empty string")
+    inputs = []
+    for i, prompt in enumerate(prompts):
+        field = "text" if text is not None else "input_ids"
+        check_prompt_len(prompt, field, model)
+        params = build_params(sp, len(prompt), model, max_key="max_new_tokens",
+                              default_max=DEFAULT_MAX_NEW_TOKENS, prefix="sampling_params.")
+        inputs.append(GenInput(prompt, params, rid[i] if isinstance(rid, list) else rid))
+    return inputs, batch, stream
+
+
+# -- OpenAI -----------------------------------------------------------------------------------
+def _common_openai(body: dict[str, Any]) -> None:
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise BadRequest("n", "only n = 1 is supported")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("model", "must be a string")
+
+
+def _max_key(body: dict[str, Any]) -> str:
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
+def parse_completion(body: dict[str, Any], model: ModelConfig) -> tuple[GenInput, bool]:
+    _common_openai(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in prompt):
+        ids = check_ids(prompt, "prompt", model.vocab_size)
+    elif isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise BadRequest("prompt", "exactly one prompt per request is supported")
+        ids = encode_text(prompt[0], "prompt[0]")
+    else:
+        ids = encode_text(prompt, "prompt")
+    check_prompt_len(ids, "prompt", model)
+    params = build_params(body, len(ids), model, max_key=_max_key(body),
+                          default_max=OPENAI_COMPLETION_DEFAULT_MAX_TOKENS)
+    return GenInput(ids, params), _bool(body, "stream", False)
+
+
+def parse_chat(body: dict[str, Any], model: ModelConfig) -> tuple[GenInput, bool]:
+    _common_openai(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise BadRequest("messages", "must be a list of {role, content} objects")
+    try:
+        text = TOKENIZER.apply_chat_template(messages)
+    except ValueError as exc:
+        raise BadRequest("messages", str(exc)) from None
+    ids = encode_text(text, "messages")
+    check_prompt_len(ids, "messages", model)
+    params = build_params(body, len(ids), model, max_key=_max_key(body),
+                          default_max=DEFAULT_MAX_NEW_TOKENS)
+    return GenInput(ids, params), _bool(body, "stream", False)
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise BadRequest("stream_options", "must be an object")
+    return _bool(opts, "include_usage", False, "stream_options.")

@@ -1,0 +1,136 @@
+"""Configuration of one engine worker (``kvatlas engine serve``)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from engine.config import MODELS, ModelConfig, get_model_config
+from index.events.endpoints import parse_tcp
+
+DEFAULT_KV_BYTES = 1 << 30
+DEFAULT_MAX_PAGES = 4096
+MODES = ("monolithic",)
+"""Serving modes implemented here; prefill and decode come with the PD data plane."""
+
+
+@dataclass
+class EngineServerConfig:
+    """One worker: model, KV pool, scheduler limits, HTTP address and KV-event publishing."""
+
+    mode: str = "monolithic"
+    """Serving mode: ``monolithic`` (prefill and decode in one process)."""
+    model: str = "tiny"
+    """Model config name (``tiny`` or ``bench``)."""
+    model_seed: int = 0
+    """Weight seed; every worker of one deployment must use the same one."""
+    served_model_name: str | None = None
+    """Model name in OpenAI responses and /v1/models; defaults to the model config name."""
+    model_path: str | None = None
+    """Existing local directory reported as model_path (a config.json is written there when
+    missing); None creates one under a temporary run directory for the server's lifetime."""
+    device: str = "cpu"
+    """Torch device of weights and KV pool (``cpu``, ``cuda``, ``cuda:N``)."""
+    torch_threads: int | None = 1
+    """torch intra-op threads (None: torch's default, one per core). 1 by default: the
+    reference models gain little from more, and when several engines (or other processes) share
+    a few cores, OpenMP's spinning threads slow every forward down 10-30x."""
+    host: str = "127.0.0.1"
+    """HTTP listen address (loopback unless configured)."""
+    port: int = 30000
+    """HTTP port."""
+    page_size: int = 16
+    """Tokens per KV page (= prefix-cache block size)."""
+    num_pages: int | None = None
+    """KV pool capacity in pages; None: as many as fit in 1 GiB, at most 4096 (tiny: 4096 pages
+    = 64 MiB; bench: 512 pages = 8192 tokens of 128 KiB)."""
+    max_batch_tokens: int = 512
+    """Token budget of one scheduler step (decode tokens plus prefill chunks)."""
+    max_running: int = 256
+    """Requests admitted at once."""
+    enable_prefix_cache: bool = True
+    """Reuse cached prefix blocks (and publish KV events about them)."""
+    kv_events: str | None = None
+    """KV-event PUB endpoint (e.g. tcp://127.0.0.1:5557); None disables publishing."""
+    kv_events_replay: str | None = None
+    """KV-event replay ROUTER endpoint (always bound); None disables replay."""
+    kv_events_topic: str = ""
+    """Topic frame of KV-event messages."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is not available; choose one of {list(MODES)}")
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {sorted(MODELS)}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.torch_threads == 0:
+            self.torch_threads = None
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1 (or 0 for torch's default), got "
+                             f"{self.torch_threads}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.num_pages is None:
+            page_bytes = self.model_config.kv_bytes_per_token * self.page_size
+            self.num_pages = max(1, min(DEFAULT_MAX_PAGES, DEFAULT_KV_BYTES // page_bytes))
+        for name in ("page_size", "num_pages", "max_batch_tokens", "max_running"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for ep in (self.kv_events, self.kv_events_replay):
+            if ep is not None:
+                parse_tcp(ep)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return get_model_config(self.model, seed=self.model_seed)
+
+    @property
+    def kv_pages(self) -> int:
+        """The pool capacity in pages (``num_pages`` after defaults were applied)."""
+        assert self.num_pages is not None
+        return self.num_pages
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        d = cls
+        parser.add_argument("--mode", default=d.mode, choices=["monolithic", "prefill", "decode"],
+                            help="serving mode (prefill/decode: PD data plane)")
+        parser.add_argument("--model", default=d.model, choices=sorted(MODELS), help="model config")
+        parser.add_argument("--model-seed", type=int, default=d.model_seed, help="weight seed")
+        parser.add_argument("--served-model-name", default=None, help="name clients use")
+        parser.add_argument("--model-path", default=None,
+                            help="local directory reported as model_path (default: a temp dir)")
+        parser.add_argument("--device", default=d.device, help="torch device: cpu, cuda, cuda:N")
+        parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
+                            help="torch intra-op threads (default 1; 0 = torch's default)")
+        parser.add_argument("--host", default=d.host, help="HTTP listen address")
+        parser.add_argument("--port", type=int, default=d.port, help="HTTP port")
+        parser.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+        parser.add_argument("--num-pages", type=int, default=None,
+                            help="KV pool pages (default: what fits in 1 GiB, at most 4096)")
+        parser.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                            help="token budget per scheduler step")
+        parser.add_argument("--max-running", type=int, default=d.max_running,
+                            help="requests admitted at once")
+        parser.add_argument("--disable-prefix-cache", action="store_true",
+                            help="never reuse cached prefix blocks")
+        parser.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                            help="publish KV events on this ZMQ endpoint (vLLM wire format)")
+        parser.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
+                            help="KV-event replay ROUTER endpoint")
+        parser.add_argument("--kv-events-topic", default=d.kv_events_topic,
+                            help="KV-event topic frame")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineServerConfig:
+        return cls(mode=args.mode, model=args.model, model_seed=args.model_seed,
+                   served_model_name=args.served_model_name, model_path=args.model_path,
+                   device=args.device, torch_threads=args.torch_threads, host=args.host,
+                   port=args.port, page_size=args.page_size, num_pages=args.num_pages,
+                   max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
+                   enable_prefix_cache=not args.disable_prefix_cache, kv_events=args.kv_events,
+                   kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic)
