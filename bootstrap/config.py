@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,9 @@ class BootstrapConfig:
         """The host decodes should dial: the advertised one, else the listen host."""
         if self.advertise_host:
             return self.advertise_host
+        if self.host in ("0.0.0.0", "::", ""):
+            # A wildcard is not dialable; advertise this machine's name instead.
+            return socket.getfqdn()
         return self.host
 
     @classmethod

@@ -87,7 +87,7 @@ class RankMirror:
     @property
     def state(self) -> str:
         """"connecting", "synced" or "degraded" (etcd away; serving from memory, retrying)."""
-        if self.keys.state == "synced" and not self.session.healthy and self.session.last_error:
+        if not self.session.healthy and self.session.last_error:
             return "degraded"
         return self.keys.state
 

@@ -61,6 +61,11 @@ def _error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
 
 
+def _refuse_constant(name: str) -> Any:
+    # NaN never equals itself, so a NaN topology field would 409 every later rank forever.
+    raise BadRequest(f"request body contains {name}, which is not valid JSON")
+
+
 async def read_json(request: web.Request, limit: int) -> Any:
     """The request body as JSON, refusing bodies over ``limit`` bytes without reading them all."""
     too_big = f"request body exceeds the {limit} byte limit"
@@ -77,7 +82,9 @@ async def read_json(request: web.Request, limit: int) -> Any:
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except BadRequest:
+        raise
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -111,7 +118,9 @@ async def _guard(request: web.Request,
     token = state.config.auth_token
     if token is not None and request.method in ("PUT", "POST"):
         given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        # aiohttp decodes header bytes with surrogateescape; keep them comparable, never raise.
+        given_raw = given.encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given_raw, f"Bearer {token}".encode()):
             state.metrics.unauthorized.inc()
             resp = _error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
                                "with the server's --auth-token")
@@ -243,7 +252,10 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     table = request.app[STATE].table
     expected = table.expected
-    text = f"{table.registered} of {expected if expected is not None else '?'} ranks registered"
+    if expected is None:
+        text = "0 ranks registered (the expected count is known once the first rank registers)"
+    else:
+        text = f"{table.registered} of {expected} ranks registered"
     return web.Response(text=text, status=200 if table.ready else 503)
 
 

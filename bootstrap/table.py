@@ -191,15 +191,18 @@ def _port(value: int, name: str) -> int:
 def validate_host(value: str, name: str = "rank_ip") -> str:
     """An IPv4/IPv6 literal or a DNS host name; anything else is refused."""
     host = value.strip()
-    if host.startswith("[") and host.endswith("]"):
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
         host = host[1:-1]
     try:
-        ipaddress.ip_address(host)
-        return host
+        ip = ipaddress.ip_address(host)
+        if not bracketed or ip.version == 6:  # brackets only ever wrap an IPv6 literal
+            return host
     except ValueError:
         pass
     # A dotted all-numeric string that is not a valid IPv4 (e.g. 300.1.1.1) is a typo, not a name.
-    if _HOSTNAME_RE.match(host) and not re.fullmatch(r"[\d.]+", host):
+    # fullmatch, not match: "$" would let a trailing newline through into the table and the logs.
+    if not bracketed and _HOSTNAME_RE.fullmatch(host) and not re.fullmatch(r"[\d.]+", host):
         return host
     raise RegistrationError(400, f"field '{name}' is not an IP address or host name: {value!r}",
                             name)

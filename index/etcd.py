@@ -369,11 +369,14 @@ class EtcdClient:
                 iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]),
                 timeout=self.settings.timeout, metadata=self._metadata,
             )
-            async for reply in call:
-                if reply.TTL <= 0:
-                    raise LeaseExpired(f"lease {lease_id:x} expired", endpoint=self.endpoint,
-                                       op="lease_keepalive")
-                return int(reply.TTL)
+            try:
+                async for reply in call:
+                    if reply.TTL <= 0:
+                        raise LeaseExpired(f"lease {lease_id:x} expired", endpoint=self.endpoint,
+                                           op="lease_keepalive")
+                    return int(reply.TTL)
+            finally:
+                call.cancel()
         raise EtcdUnavailable("lease keepalive stream closed without a reply", endpoint=self.endpoint,
                               op="lease_keepalive")
 

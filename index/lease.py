@@ -70,6 +70,8 @@ class LeaseSession:
         """Hold the lease until cancelled. Never raises on etcd trouble; it retries."""
         backoff = Backoff(cap=min(5.0, self.ttl / 3))
         while True:
+            # Cleared before the attempt so that a lost() during a slow keepalive is not missed.
+            self._changed.clear()
             try:
                 if self.lease_id is None:
                     lease_id, _ = await self.client.grant(self.ttl)
@@ -94,7 +96,6 @@ class LeaseSession:
             except EtcdError as exc:
                 self._mark_failed(exc)
                 delay = backoff.next()
-            self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=delay)
             except asyncio.TimeoutError:

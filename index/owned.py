@@ -108,10 +108,12 @@ class LeasedKeys:
                 if self.state != "synced":
                     logger.info("etcd mirror synced (%d keys)", len(self._desired))
                 self.state, self.last_error = "synced", None
-                if not self._dirty:
+                if not self._dirty and not self._needs_full:
                     self._dirty_since = None
                     self._synced.set()
                 else:
+                    # Changes (or a new lease) arrived while writing: they are the lag now.
+                    self._dirty_since = time.monotonic()
                     self._wake.set()
             except LeaseExpired:
                 self._needs_full = True

@@ -54,6 +54,17 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 20.0) -
     raise CLIError(f"bootstrap server did not answer on {url} within {timeout:.0f}s")
 
 
+def _wait_mirrored(base: str, timeout: float = 10.0) -> None:
+    """The etcd mirror is asynchronous; /metrics says when the server reports it synced."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _, text = _http("GET", f"{base}/metrics")
+        if 'state="synced"} 1.0' in text:
+            return
+        time.sleep(0.1)
+    print(f"(etcd mirror not synced after {timeout:.0f}s; etcd may lag)")
+
+
 def _kvatlas(*args: str) -> None:
     print(f"\n$ kvatlas {' '.join(args)}", flush=True)
     subprocess.run([sys.executable, "-m", "kvatlas", *args], check=False)
@@ -66,15 +77,21 @@ def run(args: argparse.Namespace) -> int:
         print("starting embedded etcd ...", flush=True)
         etcd = EtcdCluster(1, base_dir=Path(tmp) / "etcd").start()
         port = free_port()
-        server = subprocess.Popen(
-            [sys.executable, "-m", "kvatlas", "--log-level", "INFO", "bootstrap", "serve",
-             "--host", "127.0.0.1", "--port", str(port), "--instance-id", "prefill-0",
-             "--model", "tiny", "--etcd", etcd.endpoints, "--lease-ttl", "5"],
-            stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "bootstrap.log", "wb"),
-        )
+        log_path = Path(tmp) / "bootstrap.log"
+        with open(log_path, "wb") as log:
+            server = subprocess.Popen(
+                [sys.executable, "-m", "kvatlas", "--log-level", "INFO", "bootstrap", "serve",
+                 "--host", "127.0.0.1", "--port", str(port), "--instance-id", "prefill-0",
+                 "--model", "tiny", "--etcd", etcd.endpoints, "--lease-ttl", "5"],
+                stdout=subprocess.DEVNULL, stderr=log,
+            )
         try:
             base = f"http://127.0.0.1:{port}"
-            _wait_http(f"{base}/health", server)
+            try:
+                _wait_http(f"{base}/health", server)
+            except CLIError as exc:
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+                raise CLIError(f"{exc}; its log ends with: {' | '.join(tail)}") from None
             print(f"bootstrap server for instance prefill-0 on {base} (etcd {etcd.endpoints})")
             status, text = _http("GET", f"{base}/ready")
             print(f"before registration: GET /ready -> {status} {text.strip()}")
@@ -98,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             status, text = _http("GET", f"{base}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
                                         "&target_tp_rank=-1&target_pp_rank=-1")
             print(f"topology a decode sees (GET /route with -1s): {text}")
-            time.sleep(0.5)  # the etcd mirror is asynchronous; it lands within milliseconds
+            _wait_mirrored(base)
             _kvatlas("instances", "--etcd", etcd.endpoints)
             _kvatlas("bootstrap", "show", "prefill-0", "--etcd", etcd.endpoints)
             if args.keep:

@@ -115,6 +115,10 @@ async def test_etcd_unreachable_at_start_then_mirrored_when_it_comes(aiohttp_cli
         assert (await client.get("/route", params=TOPOLOGY_QUERY)).status == 200
         table = await (await client.get("/table")).json()
         assert table["ready"] is True and table["mirror"]["state"] != "synced"
+        deadline = asyncio.get_running_loop().time() + 5
+        while client.server.app[STATE].mirror.state != "degraded":  # not stuck at "connecting"
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)
         assert client.server.app[STATE].mirror.lag >= 1.0  # the first change is still waiting
 

@@ -1,6 +1,7 @@
 """The bootstrap HTTP server in-process (no etcd): SGLang's wire behaviour and the stricter checks."""
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -105,6 +106,9 @@ BAD_INPUTS = [
     _put(rank_body(port=65536)),
     _put(rank_body(ip="10.0.0.256")),
     _put(rank_body(ip="bad host!")),
+    _put(rank_body(ip="[evil\n]")),  # a newline would reach decodes and the logs
+    _put(rank_body(ip="[10.0.0.1]")),  # brackets only wrap IPv6
+    ("PUT", "/route", json.dumps(rank_body()).replace('"auto"', "NaN").encode()),
     ("POST", "/register_dp_rank", b"nope"),
     ("POST", "/register_dp_rank", {"bootstrap_room": 5}),
     ("POST", "/register_dp_rank", {"bootstrap_room": "x", "dp_rank": 0}),
@@ -177,13 +181,20 @@ async def test_auth_token_guards_put_and_post_only(aiohttp_client: Any) -> None:
         assert resp.status == 401
         resp = await client.post("/query_dp_ranks", json={"bootstrap_rooms": [1]}, headers=headers)
         assert resp.status == 401
+    # Header bytes that are not UTF-8 are a wrong token, not a server error.
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    writer.write(b"POST /register_dp_rank HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
+    await writer.drain()
+    assert (await reader.readline()).startswith(b"HTTP/1.1 401")
+    writer.close()
     assert (await client.get("/ready")).status == 503  # nothing got in
     assert (await client.put("/route", json=rank_body(), headers=good)).status == 200
     assert (await client.get("/route", params=TOPOLOGY_QUERY)).status == 200
     assert (await client.get("/health")).status == 200
     assert (await client.get("/table")).status == 200
     metrics = await (await client.get("/metrics")).text()
-    assert "kvatlas_bootstrap_unauthorized_total 9.0" in metrics
+    assert "kvatlas_bootstrap_unauthorized_total 10.0" in metrics
 
 
 async def test_table_and_metrics(client: TestClient) -> None:
