@@ -1,0 +1,332 @@
+"""Router overhead and throughput vs sglang-router, and the kv_aware decision time at scale.
+
+Part 1: the same stub prefill/decode workers (one separate process) are put behind
+  - nothing (the client posts straight to a decode stub: the floor),
+  - kvatlas's router (``kvatlas router serve``, PD, kv_aware prefill + power_of_two decode),
+  - sglang-router (``python -m sglang_router.launch_router --pd-disaggregation``, PD, when
+    installed: ``pip install sglang-router`` / the ``bench`` extra),
+and a closed-loop client at concurrency 1, 16 and 64 posts SGLang ``/generate`` bodies. Reported:
+requests/s, p50/p99 latency, and the latency each router adds over the direct path.
+
+Part 2: the routing decision (tokenize + hash + index lookup + cost over 64 prefill instances +
+power-of-two decode) timed in-process against a mirror holding 1M blocks. Goal: p99 < 1 ms.
+
+    .venv/bin/python bench/router.py [--duration 5] [--concurrency 1 16 64]
+
+Writes bench/results/router.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kvatlas.etcd_proc import free_port  # noqa: E402
+
+PROMPT = ("You are a helpful assistant. Answer the question using the context. " * 12)
+
+
+# --- stub workers (run in their own process) ---------------------------------------------------
+
+def serve_stubs(ports: list[int]) -> None:
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.read()
+        json.loads(body)
+        return web.json_response({"text": "ok", "meta_info": {"prompt_tokens": 10,
+                                                              "completion_tokens": 1}})
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "tiny", "is_generation": True,
+                                  "tokenizer_path": "tiny", "disaggregation_mode": "null"})
+
+    async def main() -> None:
+        runners = []
+        for port in ports:
+            app = web.Application(client_max_size=64 << 20)
+            for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+                app.router.add_post(path, generate)
+            for path in ("/health", "/health_generate", "/get_model_info", "/get_server_info",
+                         "/model_info", "/server_info", "/v1/models"):
+                app.router.add_get(path, info)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+
+
+# --- load -------------------------------------------------------------------------------------
+
+async def closed_loop(url: str, concurrency: int, duration: float) -> dict[str, Any]:
+    lat: list[float] = []
+    errors = 0
+    body = json.dumps({"text": PROMPT, "sampling_params": {"max_new_tokens": 1}}).encode()
+    headers = {"content-type": "application/json"}
+    stop_at = time.perf_counter() + duration
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        async def one_worker() -> None:
+            nonlocal errors
+            while time.perf_counter() < stop_at:
+                t0 = time.perf_counter()
+                try:
+                    async with session.post(url, data=body, headers=headers) as resp:
+                        await resp.read()
+                        if resp.status != 200:
+                            errors += 1
+                            continue
+                except aiohttp.ClientError:
+                    errors += 1
+                    continue
+                lat.append(time.perf_counter() - t0)
+
+        # Warm-up: connections and any lazy init.
+        for _ in range(20):
+            async with session.post(url, data=body, headers=headers) as resp:
+                await resp.read()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one_worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    lat.sort()
+    n = len(lat)
+    return {"requests": n, "errors": errors, "rps": n / elapsed,
+            "p50_ms": 1000 * lat[n // 2] if n else None,
+            "p99_ms": 1000 * lat[min(n - 1, n * 99 // 100)] if n else None}
+
+
+async def wait_ready(url: str, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.post(f"{url}/generate", json={"text": "warm"}) as resp:
+                    if resp.status == 200:
+                        return True
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    return False
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def proc_cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def sglang_router_available() -> str | None:
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError as exc:
+        return f"not installed ({exc}); pip install sglang-router"
+    return None
+
+
+async def part1(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
+    ports = [free_port() for _ in range(4)]
+    prefills = [f"http://127.0.0.1:{p}" for p in ports[:2]]
+    decodes = [f"http://127.0.0.1:{p}" for p in ports[2:]]
+    stubs = subprocess.Popen([sys.executable, __file__, "--serve-stubs",
+                              *map(str, ports)], stdout=subprocess.PIPE, start_new_session=True)
+    assert stubs.stdout is not None and stubs.stdout.readline().strip() == b"ready"
+    targets: dict[str, str] = {"direct": decodes[0]}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    ours_port, sg_port = free_port(), free_port()
+    pf_args = [a for u in prefills for a in ("--prefill", u, "none")]
+    dc_args = [a for u in decodes for a in ("--decode", u)]
+    procs["kvatlas"] = start([sys.executable, "-m", "kvatlas", "router", "serve", "--port",
+                              str(ours_port), *pf_args, *dc_args], logdir / "kvatlas_router.log")
+    targets["kvatlas"] = f"http://127.0.0.1:{ours_port}"
+    if args.asyncio_too:
+        aio_port = free_port()
+        procs["kvatlas-asyncio"] = start(
+            [sys.executable, "-m", "kvatlas", "router", "serve", "--port", str(aio_port),
+             "--no-uvloop", *pf_args, *dc_args], logdir / "kvatlas_router_asyncio.log")
+        targets["kvatlas-asyncio"] = f"http://127.0.0.1:{aio_port}"
+    sg_missing = sglang_router_available()
+    if sg_missing is None:
+        procs["sglang-router"] = start(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+             "--port", str(sg_port), "--pd-disaggregation", *pf_args, *dc_args,
+             "--prefill-policy", "cache_aware", "--decode-policy", "power_of_two",
+             "--log-level", "warn", "--prometheus-port", str(free_port())],
+            logdir / "sglang_router.log")
+        targets["sglang-router"] = f"http://127.0.0.1:{sg_port}"
+    results: dict[str, Any] = {"sglang_router": sg_missing or "ok", "runs": {}}
+    try:
+        for name, url in list(targets.items()):
+            if not await wait_ready(url):
+                results["runs"][name] = {"error": f"not ready; see {logdir}/{name}*.log"}
+                del targets[name]
+        for conc in args.concurrency:
+            for name, url in targets.items():
+                proc = procs.get(name)
+                cpu0 = proc_cpu(proc.pid) if proc else None
+                r = await closed_loop(f"{url}/generate", conc, args.duration)
+                if proc is not None and cpu0 is not None:
+                    # CPU the router itself spent per request: independent of how busy the
+                    # shared machine is, unlike req/s.
+                    r["router_cpu_us_per_req"] = 1e6 * (proc_cpu(proc.pid) - cpu0) / max(
+                        1, r["requests"])
+                results["runs"].setdefault(name, {})[str(conc)] = r
+                cpu = r.get("router_cpu_us_per_req")
+                print(f"  {name:15s} c={conc:3d}: {r['rps']:8.0f} req/s  p50 "
+                      f"{r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}"
+                      + (f"  router CPU {cpu:.0f} us/req" if cpu else ""), flush=True)
+    finally:
+        for proc in procs.values():
+            stop(proc)
+        stop(stubs)  # type: ignore[arg-type]
+    return results
+
+
+# --- part 2: decision time ----------------------------------------------------------------------
+
+def part2(instances: int, blocks: int, samples: int) -> dict[str, Any]:
+    from index.etcd import EtcdSettings
+    from index.keys import KeyLayout
+    from index.mirror import BlockMirror
+    from router.config import RouterConfig
+    from router.policy import RouteContext
+    from router.state import RouterState
+    from router.tokenize import encode_text
+    from index.hashing import block_hashes
+
+    cfg = RouterConfig(prefill=[(f"http://127.0.0.1:{20000 + i}", None)
+                                for i in range(instances)],
+                       decode=[f"http://127.0.0.1:{30000 + i}" for i in range(8)], model="tiny")
+    state = RouterState(cfg)
+    ids = [w.instance_id for w in state.pools.pool("prefill")]
+    mirror = BlockMirror(None, KeyLayout(), "tiny")  # type: ignore[arg-type]  # never connects
+    table = mirror.table()
+    rng = random.Random(0)
+    # 1M indexed blocks: 500 shared "system prompts" of 64 blocks, each held by a few instances,
+    # plus unique filler so the table really holds `blocks` distinct keys.
+    systems = [f"system prompt {i}: " + "policy text " * 90 for i in range(500)]
+    sys_hashes = [block_hashes(encode_text(s), 16) for s in systems]
+    total = 0
+    for i, hs in enumerate(sys_hashes):
+        for iid in rng.sample(ids, 4):
+            table.apply_add(iid, hs)
+        total += len(hs)
+    filler = blocks - total
+    per = filler // instances
+    for k, iid in enumerate(ids):
+        table.apply_add(iid, range(k * per + (1 << 40), (k + 1) * per + (1 << 40)))
+    mirror.ready = True
+    state.mirror = mirror
+    indexed = len(table)
+    prompts = [encode_text(systems[rng.randrange(500)] + f" user question {j} " * 20)
+               for j in range(200)]
+    lat = []
+    for j in range(samples):
+        t0 = time.perf_counter()
+        state.select_pair(RouteContext(prompts[j % len(prompts)], "tiny"))
+        lat.append(time.perf_counter() - t0)
+    lat.sort()
+    n = len(lat)
+    out = {"prefill_instances": instances, "indexed_blocks": indexed,
+           "prompt_tokens": len(prompts[0]), "samples": n,
+           "p50_us": 1e6 * lat[n // 2], "p99_us": 1e6 * lat[n * 99 // 100],
+           "mean_us": 1e6 * statistics.fmean(lat), "goal_p99_us": 1000}
+    return out
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve-stubs":
+        serve_stubs([int(p) for p in sys.argv[2:]])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds per run")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--instances", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=1_000_000)
+    ap.add_argument("--samples", type=int, default=20_000)
+    ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--asyncio-too", action="store_true",
+                    help="also measure kvatlas on the plain asyncio loop (--no-uvloop)")
+    args = ap.parse_args()
+    logdir = Path(tempfile.mkdtemp(prefix="kvatlas-bench-router-"))
+    results: dict[str, Any] = {"cpus": os.cpu_count()}
+    if not args.skip_http:
+        print("part 1: HTTP overhead and throughput (closed loop)")
+        results["http"] = asyncio.run(part1(args, logdir))
+    print(f"part 2: decision time, {args.instances} prefill instances, {args.blocks} blocks")
+    results["decision"] = d = part2(args.instances, args.blocks, args.samples)
+    print(f"  indexed {d['indexed_blocks']} blocks; prompt {d['prompt_tokens']} tokens; "
+          f"p50 {d['p50_us']:.0f} us, p99 {d['p99_us']:.0f} us (goal < 1000 us)")
+    if "http" in results:
+        print_table(results["http"])
+    out = ROOT / "bench" / "results" / "router.json"
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out} (router logs in {logdir})")
+    return 0
+
+
+def print_table(http: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    runs = http["runs"]
+    direct = runs.get("direct", {})
+    table = Table(title="router overhead vs direct-to-stub (PD, /generate)")
+    for col in ("target", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms",
+                "router CPU us/req", "vs sglang-router req/s"):
+        table.add_column(col, justify="right")
+    for name, per in runs.items():
+        if "error" in per:
+            table.add_row(name, "-", per["error"], "", "", "", "", "", "")
+            continue
+        for conc, r in per.items():
+            base = direct.get(conc, {})
+            sg = runs.get("sglang-router", {}).get(conc)
+            ratio = f"{r['rps'] / sg['rps']:.2f}x" if sg and name.startswith("kvatlas") else ""
+            cpu = r.get("router_cpu_us_per_req")
+            add50 = f"{r['p50_ms'] - base['p50_ms']:.2f}" if base and name != "direct" else ""
+            add99 = f"{r['p99_ms'] - base['p99_ms']:.2f}" if base and name != "direct" else ""
+            table.add_row(name, conc, f"{r['rps']:.0f}", f"{r['p50_ms']:.2f}",
+                          f"{r['p99_ms']:.2f}", add50, add99, f"{cpu:.0f}" if cpu else "",
+                          ratio)
+    Console(width=140).print(table)
+    if http.get("sglang_router") != "ok":
+        print(f"sglang-router: {http['sglang_router']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""``kvatlas route --prompt TEXT``: the router's decision for a prompt, without sending it."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from rich.console import Console
+from rich.table import Table
+
+DEFAULT_ROUTER = "http://127.0.0.1:8000"
+STATE_FILES = ("cluster.json", "state.json")
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--router", default=None, metavar="URL",
+                        help=f"router base URL (default {DEFAULT_ROUTER})")
+    parser.add_argument("--run-dir", default=None, metavar="DIR",
+                        help="a local cluster's run directory (kvatlas cluster up); its state "
+                             "file names the router")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait")
+
+
+def router_url(args: argparse.Namespace) -> str:
+    """--router, else the router URL recorded in --run-dir's state file, else the default."""
+    from kvatlas.cli import CLIError
+    if args.router:
+        return args.router.rstrip("/")
+    if args.run_dir is None:
+        return DEFAULT_ROUTER
+    for name in STATE_FILES:
+        path = Path(args.run_dir) / name
+        if not path.exists():
+            continue
+        try:
+            state = json.loads(path.read_text())
+        except ValueError as exc:
+            raise CLIError(f"{path} is not JSON: {exc}") from None
+        url = _find_url(state)
+        if url:
+            return url.rstrip("/")
+        raise CLIError(f"{path} names no router URL (expected router.url or router_url)")
+    raise CLIError(f"no cluster state in {args.run_dir} (looked for {', '.join(STATE_FILES)}); "
+                   "is the cluster up?")
+
+
+def _find_url(state: object) -> str | None:
+    if not isinstance(state, dict):
+        return None
+    router = state.get("router")
+    if isinstance(router, dict) and isinstance(router.get("url"), str):
+        return router["url"]
+    if isinstance(router, str):
+        return router
+    url = state.get("router_url")
+    return url if isinstance(url, str) else None
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("route", help="show which prefill/decode the router would pick")
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--model", default=None, help="model name (hash namespace)")
+    parser.add_argument("--json", action="store_true", help="print the raw JSON decision")
+    add_router_args(parser)
+    parser.set_defaults(func=cmd_route)
+
+
+async def fetch_decision(url: str, prompt: str, model: str | None,
+                         timeout: float) -> tuple[int, dict[str, Any]]:
+    body: dict[str, Any] = {"text": prompt}
+    if model:
+        body["model"] = model
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        async with session.post(f"{url}/debug/route", json=body) as resp:
+            try:
+                return resp.status, await resp.json(content_type=None)
+            except ValueError:
+                return resp.status, {"error": (await resp.text())[:200]}
+
+
+def render(decision: dict[str, Any], console: Console) -> None:
+    p, d = decision["prefill"], decision["decode"]
+    console.print(f"prefill [bold]{p['instance_id']}[/] {p['url']} (bootstrap "
+                  f"{p.get('bootstrap_host')}:{p.get('bootstrap_port') or 'default'})   "
+                  f"decode [bold]{d['instance_id']}[/] {d['url']}")
+    console.print(f"prompt {decision.get('prompt_tokens')} tokens = "
+                  f"{decision.get('prompt_blocks')} blocks of {decision.get('block_size')}; "
+                  f"policy {decision.get('policy', {}).get('prefill')}; index "
+                  f"{decision.get('index', {}).get('state')}")
+    table = Table(title="prefill candidates (lowest cost wins)")
+    for col in ("instance", "matched blocks", "load", "cost", ""):
+        table.add_column(col, justify="left" if col == "instance" else "right")
+    for c in decision.get("candidates", []):
+        chosen = "← chosen" if c["instance_id"] == p["instance_id"] else ""
+        table.add_row(c["instance_id"], str(c["matched_blocks"]), str(c["load"]),
+                      f"{c['cost']:g}", chosen)
+    console.print(table)
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvatlas.cli import CLIError
+    url = router_url(args)
+    try:
+        status, decision = asyncio.run(fetch_decision(url, args.prompt, args.model,
+                                                      args.timeout))
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise CLIError(f"router at {url} not reachable: {exc!r}") from None
+    if status != 200:
+        raise CLIError(f"router answered {status}: {decision.get('error', decision)}")
+    if args.json:
+        print(json.dumps(decision, indent=2))
+    else:
+        render(decision, Console(width=None if sys.stdout.isatty() else 200))
+    return 0

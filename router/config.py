@@ -1,0 +1,237 @@
+"""The router's one config dataclass, with flags that mirror sglang-router's PD mode."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from index.etcd import EtcdSettings
+from index.keys import KeyLayout, validate_model
+
+POLICIES = ("kv_aware", "round_robin", "random", "power_of_two")
+MAX_PORT = 65535
+
+
+def check_url(url: str) -> str:
+    """``url`` without a trailing slash; raises ValueError unless it is http(s)://host:port."""
+    if not isinstance(url, str):
+        raise ValueError(f"worker URL must be a string, got {type(url).__name__}")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"worker URL {url!r} must look like http://HOST:PORT")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"worker URL {url!r} has an invalid port") from None
+    return url.rstrip("/")
+
+
+def parse_bootstrap_port(text: str | int | None) -> int | None:
+    """sglang-router's optional bootstrap port: an int, or ``none``/None (the prefill default)."""
+    if text is None or (isinstance(text, str) and text.lower() in ("none", "null", "")):
+        return None
+    try:
+        port = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"bootstrap port {text!r} must be an integer or 'none'") from None
+    if not 1 <= port <= MAX_PORT:
+        raise ValueError(f"bootstrap port must be within [1, {MAX_PORT}], got {port}")
+    return port
+
+
+@dataclass
+class RouterConfig:
+    """Everything a router process needs; the CLI only parses flags into this."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on (loopback unless configured)."""
+    port: int = 8000
+    """HTTP port."""
+    etcd: EtcdSettings | None = None
+    """etcd to discover workers and follow the block index from; None: static workers only."""
+    etcd_prefix: str = "/kvatlas"
+    """Key prefix of the kvatlas keys in etcd."""
+    model: str | None = None
+    """Served model name: only instances of this model join the pools, and its block index is
+    followed. None: every model (the request's ``model`` picks the hash namespace)."""
+    policy: str = "kv_aware"
+    """Default policy for both sides (decode falls back to power_of_two for kv_aware)."""
+    prefill_policy: str | None = None
+    """Prefill policy; None: ``policy``."""
+    decode_policy: str | None = None
+    """Decode policy; None: ``policy``, or power_of_two when that is kv_aware."""
+    prefill: list[tuple[str, int | None]] = field(default_factory=list)
+    """Static prefill workers: (URL, bootstrap port or None for the prefill's default 8998)."""
+    decode: list[str] = field(default_factory=list)
+    """Static decode worker URLs."""
+    admin_token: str | None = None
+    """Token required by POST/DELETE /workers (``Authorization: Bearer T``); None: admin off."""
+    max_body: int = 32 * 1024 * 1024
+    """Largest request body in bytes (413 above)."""
+    max_tokens: int = 1 << 20
+    """Largest max_new_tokens / max_tokens a request may ask for (400 above)."""
+    block_size: int = 16
+    """Tokens per KV block; must equal the engines' page size so hashes match."""
+    overlap_weight: float = 1.0
+    """Cost per prefill block left to compute (the load term counts one per in-flight request)."""
+    temperature: float = 0.0
+    """0: lowest cost wins; > 0: softmax sampling over -cost / temperature."""
+    prediction_ttl: float = 120.0
+    """Seconds a routed prompt's blocks count as held by the chosen prefill before events arrive."""
+    prediction_max_blocks: int = 1_000_000
+    """Bound on predicted (instance, block) entries; the oldest go first past it."""
+    health_interval: float = 5.0
+    """Seconds between health checks of each worker."""
+    health_timeout: float = 5.0
+    """Seconds a health check may take."""
+    health_failure_threshold: int = 3
+    """Consecutive failed checks that mark a worker unhealthy."""
+    health_success_threshold: int = 2
+    """Consecutive passed checks that mark it healthy again."""
+    breaker_failure_threshold: int = 10
+    """Consecutive failures that open a worker's circuit."""
+    breaker_success_threshold: int = 3
+    """Successes in half-open that close it."""
+    breaker_timeout: float = 60.0
+    """Seconds an open circuit waits before going half-open."""
+    retry_max_attempts: int = 5
+    """Attempts in all (1: no retries)."""
+    retry_initial_backoff: float = 0.05
+    """Seconds before the second attempt."""
+    retry_backoff_multiplier: float = 1.5
+    """Backoff growth per attempt."""
+    retry_max_backoff: float = 30.0
+    """Cap on one backoff."""
+    retry_jitter: float = 0.2
+    """Relative jitter (±) on each backoff."""
+    request_timeout: float = 1800.0
+    """Seconds an upstream may stay silent (between bytes) before the attempt fails."""
+    connect_timeout: float = 10.0
+    """Seconds to connect to an upstream."""
+    max_connections: int = 2048
+    """Upstream connection pool size."""
+    uvloop: bool = True
+    """Run on uvloop when it is installed (the CLI's --no-uvloop turns it off)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= MAX_PORT:
+            raise ValueError(f"port must be within [0, {MAX_PORT}], got {self.port}")
+        KeyLayout(prefix=self.etcd_prefix)
+        if self.model is not None:
+            validate_model(self.model)
+        for name in ("policy", "prefill_policy", "decode_policy"):
+            value = getattr(self, name)
+            if value is not None and value not in POLICIES:
+                raise ValueError(f"{name} {value!r} is unknown: use one of {', '.join(POLICIES)}")
+        self.prefill = [(check_url(u), parse_bootstrap_port(p)) for u, p in self.prefill]
+        self.decode = [check_url(u) for u in self.decode]
+        if self.admin_token is not None and len(self.admin_token) < 8:
+            raise ValueError("admin token must be at least 8 characters")
+        positive = ("max_body", "max_tokens", "block_size", "prediction_max_blocks",
+                    "health_failure_threshold", "health_success_threshold",
+                    "breaker_failure_threshold", "breaker_success_threshold",
+                    "retry_max_attempts", "max_connections")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("health_interval", "health_timeout", "request_timeout", "connect_timeout",
+                     "prediction_ttl", "retry_backoff_multiplier"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("overlap_weight", "temperature", "breaker_timeout", "retry_initial_backoff",
+                     "retry_max_backoff"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.retry_jitter < 1:
+            raise ValueError(f"retry_jitter must be within [0, 1), got {self.retry_jitter}")
+
+    @property
+    def layout(self) -> KeyLayout:
+        return KeyLayout(prefix=self.etcd_prefix)
+
+    @property
+    def effective_prefill_policy(self) -> str:
+        return self.prefill_policy or self.policy
+
+    @property
+    def effective_decode_policy(self) -> str:
+        if self.decode_policy:
+            return self.decode_policy
+        return "power_of_two" if self.policy == "kv_aware" else self.policy
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before attempt ``attempt + 1`` (no jitter)."""
+        return min(self.retry_max_backoff,
+                   self.retry_initial_backoff * self.retry_backoff_multiplier ** attempt)
+
+    # --- CLI ----------------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Router flags; the etcd flags (--etcd, --etcd-prefix, TLS) are added by the caller."""
+        d = cls()
+        parser.add_argument("--host", default=d.host, help=f"listen address (default {d.host})")
+        parser.add_argument("--port", type=int, default=d.port, help=f"port (default {d.port})")
+        parser.add_argument("--model", default=None, help="served model name (default: any)")
+        parser.add_argument("--policy", default=d.policy, choices=POLICIES,
+                            help="policy for both sides (default kv_aware; decode uses "
+                                 "power_of_two then)")
+        parser.add_argument("--prefill-policy", default=None, choices=POLICIES)
+        parser.add_argument("--decode-policy", default=None, choices=POLICIES)
+        parser.add_argument("--prefill", nargs="+", action="append", default=[],
+                            metavar="URL [BOOTSTRAP_PORT|none]",
+                            help="static prefill worker, repeatable")
+        parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                            help="static decode worker, repeatable")
+        parser.add_argument("--pd-disaggregation", action="store_true",
+                            help="accepted for sglang-router compatibility (always PD)")
+        parser.add_argument("--admin-token", default=None,
+                            help="token for POST/DELETE /workers (default: admin disabled)")
+        parser.add_argument("--max-body", type=int, default=d.max_body, help="bytes (413 above)")
+        parser.add_argument("--block-size", type=int, default=d.block_size,
+                            help="tokens per KV block (the engines' page size)")
+        parser.add_argument("--overlap-weight", type=float, default=d.overlap_weight)
+        parser.add_argument("--temperature", type=float, default=d.temperature,
+                            help="kv_aware softmax temperature (0: argmin)")
+        parser.add_argument("--prediction-ttl", type=float, default=d.prediction_ttl)
+        parser.add_argument("--health-check-interval-secs", "--health-interval", type=float,
+                            dest="health_interval", default=d.health_interval)
+        parser.add_argument("--health-check-timeout-secs", type=float, dest="health_timeout",
+                            default=d.health_timeout)
+        parser.add_argument("--cb-failure-threshold", type=int,
+                            default=d.breaker_failure_threshold)
+        parser.add_argument("--cb-success-threshold", type=int,
+                            default=d.breaker_success_threshold)
+        parser.add_argument("--cb-timeout-duration-secs", type=float, default=d.breaker_timeout)
+        parser.add_argument("--retry-max-retries", type=int, default=d.retry_max_attempts,
+                            help="attempts in all (default 5)")
+        parser.add_argument("--retry-initial-backoff-ms", type=float,
+                            default=d.retry_initial_backoff * 1000)
+        parser.add_argument("--request-timeout-secs", type=float, default=d.request_timeout)
+        parser.add_argument("--no-uvloop", action="store_true",
+                            help="use the asyncio event loop even when uvloop is installed")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace,
+                      etcd: EtcdSettings | None = None) -> "RouterConfig":
+        prefill: list[tuple[str, int | None]] = []
+        for item in args.prefill:
+            if len(item) > 2:
+                raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT|none], got {item}")
+            prefill.append((item[0], item[1] if len(item) == 2 else None))
+        return cls(
+            host=args.host, port=args.port, etcd=etcd,
+            etcd_prefix=getattr(args, "etcd_prefix", "/kvatlas"), model=args.model,
+            policy=args.policy, prefill_policy=args.prefill_policy,
+            decode_policy=args.decode_policy, prefill=prefill, decode=list(args.decode),
+            admin_token=args.admin_token, max_body=args.max_body, block_size=args.block_size,
+            overlap_weight=args.overlap_weight, temperature=args.temperature,
+            prediction_ttl=args.prediction_ttl, health_interval=args.health_interval,
+            health_timeout=args.health_timeout,
+            breaker_failure_threshold=args.cb_failure_threshold,
+            breaker_success_threshold=args.cb_success_threshold,
+            breaker_timeout=args.cb_timeout_duration_secs,
+            retry_max_attempts=args.retry_max_retries,
+            retry_initial_backoff=args.retry_initial_backoff_ms / 1000,
+            request_timeout=args.request_timeout_secs, uvloop=not args.no_uvloop,
+        )

@@ -1,0 +1,238 @@
+"""Validation of request bodies and injection of the bootstrap fields.
+
+The router never forwards a body it could not make sense of: each endpoint's prompt fields and
+token counts are checked here, and the prompt token ids (for kv_aware) are derived on the way.
+Fields the router does not need (sampling parameters, ...) pass through untouched; the workers
+validate them.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from router.tokenize import chat_text, encode_text
+
+GENERATE = "generate"
+COMPLETIONS = "completions"
+CHAT = "chat"
+MAX_TOKEN_ID = 2**32 - 1
+MAX_ROOM = 2**63 - 1
+
+
+class BadRequest(Exception):
+    """A client error: HTTP ``status`` with ``{"error": message}``."""
+
+    def __init__(self, field: str, reason: str, status: int = 400) -> None:
+        super().__init__(f"{field}: {reason}" if field else reason)
+        self.field = field
+        self.reason = reason
+        self.status = status
+
+
+@dataclass
+class Parsed:
+    """What the router needs from a request body."""
+
+    body: dict[str, Any]
+    prompts: list["list[int] | np.ndarray"]
+    """Token ids per prompt (the first one is routed on)."""
+    batch: int | None
+    """Batch size when the body is a batch (bootstrap fields become lists), else None."""
+    stream: bool
+    model: str | None
+    raw: bytes | None = None
+    """The body as received (valid JSON, as parsed into ``body``); lets ``inject`` splice the
+    bootstrap fields in instead of serializing the whole body again."""
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def load_json(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise BadRequest("body", "is empty; send a JSON object")
+    try:
+        # NaN/Infinity are Python extensions a strict worker would refuse: never forward them.
+        body = json.loads(raw, parse_constant=_no_constants)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest("body", f"not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body", f"must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _ids(value: Any, field: str) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise BadRequest(field, "must be a non-empty list of token ids")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise BadRequest(f"{field}[{i}]", f"must be an integer, got {type(t).__name__}")
+        if not 0 <= t <= MAX_TOKEN_ID:
+            raise BadRequest(f"{field}[{i}]", f"token id {t} is outside [0, 2^32-1]")
+    return value
+
+
+def _text(value: Any, field: str) -> np.ndarray:
+    if not isinstance(value, str):
+        raise BadRequest(field, f"must be a string, got {type(value).__name__}")
+    if not value:
+        raise BadRequest(field, "must not be empty")
+    try:
+        return encode_text(value)
+    except UnicodeEncodeError:
+        raise BadRequest(field, "is not valid UTF-8 (contains a lone surrogate)") from None
+
+
+def _count(d: dict[str, Any], key: str, limit: int, prefix: str = "") -> None:
+    v = d.get(key)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int):
+        if not (isinstance(v, float) and v.is_integer()):
+            raise BadRequest(prefix + key, f"must be an integer, got {type(v).__name__}")
+        v = int(v)
+    if v < 0:
+        raise BadRequest(prefix + key, f"must be >= 0, got {v}")
+    if v > limit:
+        raise BadRequest(prefix + key, f"{v} is absurd: the router allows at most {limit}")
+
+
+def _flag(d: dict[str, Any], key: str) -> bool:
+    v = d.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise BadRequest(key, f"must be a boolean, got {type(v).__name__}")
+    return v
+
+
+def _model(d: dict[str, Any]) -> str | None:
+    m = d.get("model")
+    if m is not None and not isinstance(m, str):
+        raise BadRequest("model", f"must be a string, got {type(m).__name__}")
+    return m or None
+
+
+def parse_generate(body: dict[str, Any], max_tokens: int) -> Parsed:
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("text", "give exactly one of text or input_ids (the prompt is missing)"
+                         if text is None else "give exactly one of text or input_ids")
+    batch: int | None = None
+    if text is not None:
+        if isinstance(text, list):
+            if not text:
+                raise BadRequest("text", "batch must not be empty")
+            prompts = [_text(t, f"text[{i}]") for i, t in enumerate(text)]
+            batch = len(prompts)
+        else:
+            prompts = [_text(text, "text")]
+    else:
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            prompts = [_ids(p, f"input_ids[{i}]") for i, p in enumerate(ids)]
+            batch = len(prompts)
+        else:
+            prompts = [_ids(ids, "input_ids")]
+    sp = body.get("sampling_params")
+    if sp is not None:
+        if not isinstance(sp, dict):
+            raise BadRequest("sampling_params", f"must be an object, got {type(sp).__name__}")
+        for key in ("max_new_tokens", "min_new_tokens"):
+            _count(sp, key, max_tokens, "sampling_params.")
+    stream = _flag(body, "stream")
+    if batch is not None and stream:
+        raise BadRequest("stream", "streaming is supported for a single prompt only")
+    return Parsed(body, prompts, batch, stream, _model(body))
+
+
+def parse_completion(body: dict[str, Any], max_tokens: int) -> Parsed:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise BadRequest("prompt", "is missing")
+    batch: int | None = None
+    if isinstance(prompt, str):
+        prompts = [_text(prompt, "prompt")]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [_text(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        batch = len(prompts) if len(prompts) > 1 else None
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        batch = len(prompts) if len(prompts) > 1 else None
+    else:
+        prompts = [_ids(prompt, "prompt")]
+    _openai_common(body, max_tokens)
+    stream = _flag(body, "stream")
+    return Parsed(body, prompts, batch, stream, _model(body))
+
+
+def parse_chat(body: dict[str, Any], max_tokens: int) -> Parsed:
+    messages = body.get("messages")
+    if messages is None:
+        raise BadRequest("messages", "is missing")
+    if not isinstance(messages, list):
+        raise BadRequest("messages", f"must be a list, got {type(messages).__name__}")
+    try:
+        prompts = [_text(chat_text(messages), "messages")]
+    except ValueError as exc:
+        raise BadRequest("messages", str(exc)) from None
+    _openai_common(body, max_tokens)
+    return Parsed(body, prompts, None, _flag(body, "stream"), _model(body))
+
+
+def _openai_common(body: dict[str, Any], max_tokens: int) -> None:
+    for key in ("max_tokens", "max_completion_tokens"):
+        _count(body, key, max_tokens)
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or n > 128):
+        raise BadRequest("n", f"must be an integer in [1, 128], got {n!r}")
+
+
+PARSERS = {GENERATE: parse_generate, COMPLETIONS: parse_completion, CHAT: parse_chat}
+
+
+def parse_any(body: dict[str, Any], max_tokens: int) -> Parsed:
+    """For /debug/route: whichever prompt field the body carries."""
+    if "messages" in body:
+        return parse_chat(body, max_tokens)
+    if "prompt" in body and "text" not in body and "input_ids" not in body:
+        return parse_completion(body, max_tokens)
+    return parse_generate(body, max_tokens)
+
+
+def new_room(rng: random.Random) -> int:
+    """A bootstrap room, uniform in [1, 2^63-1] (0 is avoided: some engines treat it as unset)."""
+    return rng.randint(1, MAX_ROOM)
+
+
+BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+def inject(parsed: Parsed, host: str | None, port: int | None,
+           rng: random.Random) -> tuple[bytes, list[int]]:
+    """The body to send to both sides, with bootstrap fields (lists for a batch), and its rooms."""
+    if parsed.batch is None:
+        room = new_room(rng)
+        rooms = [room]
+        fields: dict[str, Any] = {"bootstrap_host": host, "bootstrap_port": port,
+                                  "bootstrap_room": room}
+    else:
+        rooms = [new_room(rng) for _ in range(parsed.batch)]
+        while len(set(rooms)) < len(rooms):
+            rooms = [new_room(rng) for _ in range(parsed.batch)]
+        fields = {"bootstrap_host": [host] * parsed.batch,
+                  "bootstrap_port": [port] * parsed.batch, "bootstrap_room": rooms}
+    raw = parsed.raw
+    if raw is not None and not any(k in parsed.body for k in BOOTSTRAP_KEYS):
+        head = raw.rstrip()
+        if head.endswith(b"}") and parsed.body:
+            # The received object with three members appended: same JSON, no re-serialization.
+            tail = json.dumps(fields, separators=(",", ":")).encode()
+            return b"".join((head[:-1], b",", tail[1:])), rooms
+    body = dict(parsed.body)
+    body.update(fields)
+    return json.dumps(body, separators=(",", ":")).encode(), rooms

@@ -1,0 +1,143 @@
+"""The router's shared state and its pair selection (no I/O here)."""
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from index.mirror import BlockMirror
+from router.config import RouterConfig
+from router.discovery import InstanceDiscovery
+from router.metrics import RouterMetrics
+from router.policy import Choice, Policy, RouteContext, make_policy
+from router.workers import DECODE, PREFILL, Worker, WorkerPools
+
+
+class NoWorkers(Exception):
+    """Nothing of ``role`` can be selected; ``reason`` says why (503)."""
+
+    def __init__(self, role: str, reason: str) -> None:
+        super().__init__(f"No available servers: {reason}")
+        self.role = role
+        self.reason = reason
+
+
+class UnknownModel(Exception):
+    pass
+
+
+@dataclass
+class Pair:
+    prefill: Choice
+    decode: Choice
+
+
+class RouterState:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.pools = WorkerPools(config)
+        self.metrics = RouterMetrics()
+        self.rng = random.Random()
+        self.mirror: BlockMirror | None = None
+        self.discovery: InstanceDiscovery | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.started_at = time.time()
+        self.prefill_policy: Policy = make_policy(config.effective_prefill_policy,
+                                                  config=config, lookup=self.index_lookup)
+        decode_name = config.effective_decode_policy
+        # Decodes hold no reusable prefix: kv_aware on the decode side means load only.
+        self.decode_policy: Policy = make_policy(
+            "power_of_two" if decode_name == "kv_aware" else decode_name)
+        self.pools.listeners.append(self._on_pool_change)
+        for url, port in config.prefill:
+            self.pools.add(PREFILL, url, bootstrap_port=port, model=config.model)
+        for url in config.decode:
+            self.pools.add(DECODE, url, model=config.model)
+
+    def _on_pool_change(self, event: str, worker: Worker) -> None:
+        if event == "leave":
+            self.metrics.forget(worker.role, worker.instance_id)
+            if worker.role == PREFILL:
+                self.prefill_policy.forget(worker.instance_id)
+
+    # --- index ----------------------------------------------------------------------------
+
+    def index_lookup(self, hashes: Sequence[int], model: str | None) -> dict[str, int]:
+        mirror = self.mirror
+        if mirror is None or not mirror.ready:
+            return {}
+        if mirror.model is not None:
+            return mirror.lookup(hashes)
+        name = model or self.config.model
+        # Never create a table for a name taken from a request (memory would follow clients).
+        table = mirror.tables.get(name) if name else None
+        return table.lookup(hashes) if table is not None else {}
+
+    def index_detail(self) -> dict[str, Any]:
+        if self.config.etcd is None:
+            return {"state": "off (no --etcd)"}
+        mirror = self.mirror
+        if mirror is None:
+            return {"state": "starting"}
+        disc = self.discovery.stats() if self.discovery else {}
+        # Discovery follows the same etcd: when it is degraded, the mirror is not updating either.
+        stale = disc.get("state") == "degraded"
+        return {"state": ("stale" if stale else "live") if mirror.ready else "loading",
+                "blocks": sum(len(t) for t in mirror.tables.values()),
+                "revision": mirror.revision, "revision_lag": mirror.revision_lag,
+                "disconnects": mirror.disconnects, "last_error": mirror.last_error,
+                "discovery": disc}
+
+    def check_model(self, model: str | None) -> None:
+        if model is None:
+            return
+        known = self.pools.models()
+        if known and model not in known:
+            raise UnknownModel(f"model {model!r} is not served here; known: {sorted(known)}")
+
+    # --- selection ------------------------------------------------------------------------
+
+    def _available(self, role: str, exclude: set[str]) -> list[Worker]:
+        workers = [w for w in self.pools.pool(role) if w.available]
+        if not workers:
+            raise NoWorkers(role, self.pools.unavailable_reason(role))
+        # Avoid workers that already failed this request while others remain.
+        fresh = [w for w in workers if w.instance_id not in exclude]
+        return fresh or workers
+
+    def select_pair(self, ctx: RouteContext, exclude: set[str] | None = None) -> Pair:
+        exclude = exclude or set()
+        t0 = time.perf_counter()
+        prefills = self._available(PREFILL, exclude)
+        decodes = self._available(DECODE, exclude)
+        pair = Pair(self.prefill_policy.select(prefills, ctx),
+                    self.decode_policy.select(decodes, ctx))
+        self.metrics.decision_latency.observe(time.perf_counter() - t0)
+        return pair
+
+    def on_routed(self, pair: Pair) -> None:
+        m = self.metrics
+        p, d = pair.prefill, pair.decode
+        self.prefill_policy.on_routed(p)
+        m.child(m.decisions, PREFILL, p.worker.instance_id).inc()
+        m.child(m.decisions, DECODE, d.worker.instance_id).inc()
+        bs = self.config.block_size
+        m.prefix_hit_tokens.inc(p.matched_blocks * bs)
+        m.prompt_tokens.inc(p.prompt_blocks * bs)
+
+    def refresh_gauges(self) -> None:
+        m = self.metrics
+        m.set_breakers(self.pools.all())
+        mirror = self.mirror
+        if mirror is not None:
+            m.index_ready.set(1 if mirror.ready else 0)
+            m.index_blocks.set(sum(len(t) for t in mirror.tables.values()))
+            m.index_revision_lag.set(mirror.revision_lag)
+            m.index_stale.set(1 if self.index_detail().get("state") == "stale" else 0)
+        prediction = getattr(self.prefill_policy, "prediction", None)
+        if prediction is not None:
+            m.predicted_blocks.set(len(prediction))

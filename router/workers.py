@@ -1,0 +1,212 @@
+"""Workers and the prefill/decode pools.
+
+A worker comes from one of three sources: a static flag, an etcd instance key, or an admin POST.
+The etcd instance record (``/{prefix}/v1/instances/{id}``, JSON) is read tolerantly; the router
+uses these fields:
+
+- ``role``: ``"prefill"`` or ``"decode"`` (records of other roles are ignored);
+- ``url``: the worker's HTTP base URL (a record without one cannot be routed to and is skipped);
+- ``model``: the served model (filtered against ``--model`` when given);
+- ``bootstrap_host`` / ``bootstrap_port``: where decodes find the prefill's bootstrap server
+  (host defaults to the URL's host, port to None = the prefill's default 8998);
+- ``ready``: false keeps the worker in the pool but unselectable (e.g. ranks still registering).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from router.breaker import CircuitBreaker
+from router.config import RouterConfig, check_url, parse_bootstrap_port
+
+logger = logging.getLogger(__name__)
+
+PREFILL = "prefill"
+DECODE = "decode"
+ROLES = (PREFILL, DECODE)
+_ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def static_id(url: str) -> str:
+    """A stable instance id for a worker known only by URL (``static-host-port``)."""
+    parts = urlsplit(url)
+    return _ID_UNSAFE.sub("-", f"static-{parts.hostname}-{parts.port or 80}")
+
+
+@dataclass
+class Worker:
+    """One routable worker and its local counters."""
+
+    instance_id: str
+    role: str
+    url: str
+    breaker: CircuitBreaker
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    model: str | None = None
+    source: str = "static"
+    ready: bool = True
+    healthy: bool = True
+    load: int = 0
+    """In-flight requests: added on dispatch, released when the upstream answer completes."""
+    health_failures: int = 0
+    health_successes: int = 0
+    requests: int = 0
+    record: dict[str, Any] = field(default_factory=dict)
+    shadowed_by: str | None = None
+    """A static/admin worker whose URL an etcd instance also registered: the etcd entry (whose
+    id matches the block index) serves instead, so the worker is not counted twice."""
+
+    def __post_init__(self) -> None:
+        if self.bootstrap_host is None:
+            self.bootstrap_host = urlsplit(self.url).hostname
+
+    @property
+    def available(self) -> bool:
+        return (self.ready and self.healthy and self.shadowed_by is None
+                and self.breaker.allow())
+
+    def describe(self) -> dict[str, Any]:
+        return {"instance_id": self.instance_id, "role": self.role, "url": self.url,
+                "model": self.model, "source": self.source, "ready": self.ready,
+                "healthy": self.healthy, "circuit": self.breaker.state, "load": self.load,
+                "requests": self.requests, "bootstrap_host": self.bootstrap_host,
+                "bootstrap_port": self.bootstrap_port, "shadowed_by": self.shadowed_by}
+
+
+def parse_instance_record(instance_id: str, raw: bytes) -> dict[str, Any] | None:
+    """The router's view of one instance record, or None (with a log line) when unusable."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        logger.warning("instance %s: record is not JSON; ignored", instance_id)
+        return None
+    if not isinstance(doc, dict):
+        logger.warning("instance %s: record is not an object; ignored", instance_id)
+        return None
+    role = doc.get("role")
+    if role not in ROLES:
+        logger.debug("instance %s: role %r is not routable; ignored", instance_id, role)
+        return None
+    try:
+        url = check_url(doc.get("url"))  # type: ignore[arg-type]
+    except ValueError as exc:
+        logger.warning("instance %s: no usable url (%s); ignored until it publishes one",
+                       instance_id, exc)
+        return None
+    try:
+        port = parse_bootstrap_port(doc.get("bootstrap_port"))
+    except ValueError:
+        port = None
+    host = doc.get("bootstrap_host")
+    model = doc.get("model")
+    return {"instance_id": instance_id, "role": role, "url": url,
+            "model": model if isinstance(model, str) else None,
+            "bootstrap_host": host if isinstance(host, str) and host else None,
+            "bootstrap_port": port, "ready": doc.get("ready", True) is not False, "raw": doc}
+
+
+class WorkerPools:
+    """The prefill and decode pools, keyed by instance id."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.workers: dict[str, dict[str, Worker]] = {PREFILL: {}, DECODE: {}}
+        self.listeners: list[Any] = []
+        """Callables ``(event, worker)`` told of "join" and "leave"."""
+
+    def new_breaker(self) -> CircuitBreaker:
+        c = self.config
+        return CircuitBreaker(c.breaker_failure_threshold, c.breaker_success_threshold,
+                              c.breaker_timeout)
+
+    def pool(self, role: str) -> list[Worker]:
+        return list(self.workers[role].values())
+
+    def get(self, role: str, instance_id: str) -> Worker | None:
+        return self.workers[role].get(instance_id)
+
+    def find(self, instance_id: str) -> Worker | None:
+        return self.workers[PREFILL].get(instance_id) or self.workers[DECODE].get(instance_id)
+
+    def add(self, role: str, url: str, *, instance_id: str | None = None,
+            bootstrap_host: str | None = None, bootstrap_port: int | None = None,
+            model: str | None = None, source: str = "static", ready: bool = True,
+            record: dict[str, Any] | None = None) -> Worker:
+        """Add or update a worker; an update keeps its breaker, load and health."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        url = check_url(url)
+        iid = instance_id or static_id(url)
+        worker = self.workers[role].get(iid)
+        if worker is None:
+            worker = Worker(iid, role, url, self.new_breaker(), bootstrap_host, bootstrap_port,
+                            model, source, ready, record=record or {})
+            self.workers[role][iid] = worker
+            logger.info("%s worker %s joined (%s, %s)", role, iid, url, source)
+            self._tell("join", worker)
+        else:
+            worker.url = url
+            worker.bootstrap_host = bootstrap_host or urlsplit(url).hostname
+            worker.bootstrap_port = bootstrap_port
+            worker.model, worker.source, worker.ready = model, source, ready
+            worker.record = record or {}
+        if source == "etcd":
+            for other in self.workers[role].values():
+                if other.source != "etcd" and other.url == url:
+                    other.shadowed_by = iid
+        return worker
+
+    def remove(self, role: str, instance_id: str) -> Worker | None:
+        worker = self.workers[role].pop(instance_id, None)
+        if worker is not None:
+            for other in self.workers[role].values():
+                if other.shadowed_by == instance_id:
+                    other.shadowed_by = None
+            logger.info("%s worker %s left", role, instance_id)
+            self._tell("leave", worker)
+        return worker
+
+    def remove_url(self, url: str) -> list[Worker]:
+        url = url.rstrip("/")
+        gone = []
+        for role in ROLES:
+            for iid, w in list(self.workers[role].items()):
+                if w.url == url:
+                    gone.append(self.remove(role, iid))
+        return [w for w in gone if w is not None]
+
+    def all(self) -> list[Worker]:
+        return self.pool(PREFILL) + self.pool(DECODE)
+
+    def models(self) -> set[str]:
+        found = {w.model for w in self.all() if w.model}
+        if self.config.model:
+            found.add(self.config.model)
+        return found
+
+    def unavailable_reason(self, role: str) -> str:
+        """Why no ``role`` worker can be selected (assumes none can)."""
+        workers = self.pool(role)
+        if not workers:
+            return f"no {role} workers registered"
+        workers = [w for w in workers if w.shadowed_by is None]
+        not_ready = sum(1 for w in workers if not w.ready)
+        unhealthy = sum(1 for w in workers if w.ready and not w.healthy)
+        open_ = sum(1 for w in workers if w.ready and w.healthy and not w.breaker.allow())
+        parts = []
+        if open_:
+            parts.append(f"{open_} with an open circuit")
+        if unhealthy:
+            parts.append(f"{unhealthy} unhealthy")
+        if not_ready:
+            parts.append(f"{not_ready} not ready")
+        return f"all {len(workers)} {role} workers unavailable: " + ", ".join(parts)
+
+    def _tell(self, event: str, worker: Worker) -> None:
+        for cb in self.listeners:
+            cb(event, worker)

@@ -1,0 +1,102 @@
+"""Real aiohttp stub workers on free loopback ports: they record what they receive and answer as
+scripted (statuses, delays, SSE streams), so router tests watch the real HTTP path."""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+from kvatlas.etcd_proc import free_port
+from router.app import create_app
+from router.config import RouterConfig
+
+
+class StubWorker:
+    """A prefill or decode stand-in serving /generate, /v1/completions, /v1/chat/completions."""
+
+    def __init__(self, role: str, name: str | None = None) -> None:
+        self.role = role
+        self.name = name or role
+        self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.statuses: list[int] = []
+        """Scripted statuses, consumed one per request; 200 once empty."""
+        self.delay = 0.0
+        self.health_status = 200
+        self.stream_chunks = 3
+        self.release_stream: asyncio.Event | None = None
+        """When set, a stream pauses after its first chunk until this event is set."""
+        self.fail_stream_after_first = False
+        self.port = free_port()
+        self.runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def rooms(self) -> list[Any]:
+        return [b.get("bootstrap_room") for b in self.bodies]
+
+    async def start(self) -> "StubWorker":
+        app = web.Application()
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            app.router.add_post(path, self._handle)
+        app.router.add_get("/health", self._health)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": self.health_status == 200}, status=self.health_status)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        self.headers.append(dict(request.headers))
+        status = self.statuses.pop(0) if self.statuses else 200
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if status != 200:
+            return web.json_response({"error": f"{self.name} scripted {status}"}, status=status)
+        if self.role == "decode" and body.get("stream"):
+            return await self._stream(request, body)
+        return web.json_response({"text": f"from {self.name}", "worker": self.name,
+                                  "room": body.get("bootstrap_room"),
+                                  "meta_info": {"id": request.headers.get("x-request-id")}})
+
+    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(self.stream_chunks):
+            chunk = {"text": f"tok{i}", "worker": self.name, "room": body.get("bootstrap_room")}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if i == 0 and self.release_stream is not None:
+                await self.release_stream.wait()
+            if i == 0 and self.fail_stream_after_first:
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def router_config(prefills: list[StubWorker], decodes: list[StubWorker],
+                  **kw: Any) -> RouterConfig:
+    kw.setdefault("retry_initial_backoff", 0.005)
+    kw.setdefault("health_interval", 60.0)
+    return RouterConfig(prefill=[(p.url, None) for p in prefills],
+                        decode=[d.url for d in decodes], **kw)
+
+
+def router_app(config: RouterConfig) -> web.Application:
+    return create_app(config)

@@ -1,0 +1,97 @@
+"""Bad input gets a JSON 4xx naming the problem, and nothing reaches a worker."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+CASES = [
+    ("/generate", b"not json", 400, "JSON"),
+    ("/generate", b"", 400, "empty"),
+    ("/generate", b"{\"text\": \"a\", \"temperature\": NaN}", 400, "NaN"),
+    ("/generate", b"{\"text\": \"a\"} trailing", 400, "JSON"),
+    ("/generate", b"\xff\xfe{}", 400, "JSON"),
+    ("/generate", b"[1, 2]", 400, "object"),
+    ("/generate", b"{\"sampling_params\": {}}", 400, "text or input_ids"),
+    ("/generate", b"{\"text\": 5}", 400, "text"),
+    ("/generate", b"{\"text\": \"\"}", 400, "empty"),
+    ("/generate", b"{\"text\": \"a\", \"input_ids\": [1]}", 400, "exactly one"),
+    ("/generate", b"{\"input_ids\": [1, \"x\"]}", 400, "input_ids[1]"),
+    ("/generate", b"{\"input_ids\": [-1]}", 400, "outside"),
+    ("/generate", b"{\"input_ids\": [true]}", 400, "integer"),
+    ("/generate", b"{\"text\": [\"a\", 3]}", 400, "text[1]"),
+    ("/generate", b"{\"text\": \"a\", \"sampling_params\": [1]}", 400, "sampling_params"),
+    ("/generate", b"{\"text\": \"a\", \"sampling_params\": {\"max_new_tokens\": -1}}", 400,
+     ">= 0"),
+    ("/generate", b"{\"text\": \"a\", \"sampling_params\": {\"max_new_tokens\": 1e12}}", 400,
+     "absurd"),
+    ("/generate", b"{\"text\": \"a\", \"sampling_params\": {\"max_new_tokens\": \"5\"}}", 400,
+     "integer"),
+    ("/generate", b"{\"text\": \"a\", \"stream\": \"yes\"}", 400, "stream"),
+    ("/generate", b"{\"text\": [\"a\", \"b\"], \"stream\": true}", 400, "single prompt"),
+    ("/generate", b"{\"text\": \"\\ud800\"}", 400, "UTF-8"),
+    ("/v1/completions", b"{\"max_tokens\": 3}", 400, "prompt"),
+    ("/v1/completions", b"{\"prompt\": {\"a\": 1}}", 400, "prompt"),
+    ("/v1/completions", b"{\"prompt\": \"a\", \"max_tokens\": -5}", 400, "max_tokens"),
+    ("/v1/completions", b"{\"prompt\": \"a\", \"max_tokens\": 99999999999}", 400, "absurd"),
+    ("/v1/completions", b"{\"prompt\": \"a\", \"model\": 7}", 400, "model"),
+    ("/v1/completions", b"{\"prompt\": \"a\", \"n\": 0}", 400, "n"),
+    ("/v1/chat/completions", b"{\"messages\": \"hi\"}", 400, "messages"),
+    ("/v1/chat/completions", b"{}", 400, "messages"),
+    ("/v1/chat/completions", b"{\"messages\": [5]}", 400, "messages[0]"),
+    ("/v1/chat/completions", b"{\"messages\": [{\"content\": \"x\"}]}", 400, "role"),
+    ("/v1/chat/completions",
+     b"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_completion_tokens\": -1}",
+     400, "max_completion_tokens"),
+    ("/debug/route", b"nope", 400, "JSON"),
+]
+
+
+@pytest.fixture
+async def setup(stubs: Any, make_router: Any) -> Any:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d], model="tiny", max_body=4096, max_tokens=1_000_000)
+    return client, p, d
+
+
+@pytest.mark.parametrize(("path", "raw", "status", "needle"), CASES)
+async def test_bad_body(setup: Any, path: str, raw: bytes, status: int, needle: str) -> None:
+    client, p, d = setup
+    resp = await client.post(path, data=raw, headers={"content-type": "application/json"})
+    assert resp.status == status
+    body = await resp.json()
+    assert needle in body["error"], body
+    assert not p.bodies and not d.bodies
+
+
+async def test_body_over_limit_is_413(setup: Any) -> None:
+    client, p, d = setup
+    resp = await client.post("/generate", data=b'{"text": "' + b"a" * 5000 + b'"}')
+    assert resp.status == 413
+    assert "4096" in (await resp.json())["error"]
+    # Chunked, without a content-length: still caught.
+    async def gen() -> Any:
+        for _ in range(10):
+            yield b"a" * 1000
+    resp = await client.post("/generate", data=gen())
+    assert resp.status == 413 and "limit" in (await resp.json())["error"]
+    assert not p.bodies and not d.bodies
+    assert (await client.post("/generate", json={"text": "ok"})).status == 200
+
+
+async def test_unknown_model_is_404(setup: Any) -> None:
+    client, p, d = setup
+    resp = await client.post("/v1/completions", json={"prompt": "a", "model": "other"})
+    assert resp.status == 404
+    assert "other" in (await resp.json())["error"]
+    assert not p.bodies and not d.bodies
+
+
+async def test_unknown_path_and_method_are_json(setup: Any) -> None:
+    client, _, _ = setup
+    resp = await client.get("/nope")
+    assert resp.status == 404 and "error" in await resp.json()
+    resp = await client.get("/generate")
+    assert resp.status == 405 and "error" in await resp.json()
+    # The router is still fine afterwards.
+    assert (await client.post("/generate", json={"text": "ok"})).status == 200

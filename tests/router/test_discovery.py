@@ -1,0 +1,130 @@
+"""Pools follow etcd instance keys by watch (real etcd, real leases, real stub workers)."""
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp.test_utils import TestClient
+
+from etcd_instances import wait_for
+
+from router.app import create_app
+from router.config import RouterConfig
+
+
+async def router(aiohttp_client: Any, etcd_settings: Any, key_prefix: str,
+                 **kw: Any) -> TestClient:
+    cfg = RouterConfig(etcd=etcd_settings, etcd_prefix=key_prefix, health_interval=60, **kw)
+    return await aiohttp_client(create_app(cfg))
+
+
+def ids(workers: dict[str, list[dict[str, Any]]], role: str) -> set[str]:
+    return {w["instance_id"] for w in workers[role] if w["ready"]}
+
+
+async def test_join_and_leave_within_a_second(aiohttp_client: Any, etcd: Any, layout: Any,
+                                              etcd_settings: Any, key_prefix: str,
+                                              stubs: Any, register: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await router(aiohttp_client, etcd_settings, key_prefix, model="tiny")
+    assert (await client.get("/readiness")).status == 503
+
+    async def listed(role: str, iid: str, present: bool = True) -> bool:
+        workers = await (await client.get("/workers")).json()
+        return (iid in ids(workers, role)) == present
+
+    pi = await register("p0", {"role": "prefill", "url": p.url, "model": "tiny",
+                               "bootstrap_host": "10.1.2.3", "bootstrap_port": 8998,
+                               "ready": True})
+    await register("d0", {"role": "decode", "url": d.url, "model": "tiny"})
+    joined = await wait_for(lambda: listed("prefill", "p0"))
+    await wait_for(lambda: listed("decode", "d0"))
+    assert joined < 1.5
+    assert (await client.get("/readiness")).status == 200
+    resp = await client.post("/generate", json={"text": "hello"})
+    assert resp.status == 200
+    assert p.bodies[0]["bootstrap_host"] == "10.1.2.3" and p.bodies[0]["bootstrap_port"] == 8998
+
+    # Not ready (ranks still registering): listed but never chosen.
+    await pi.update(ready=False)
+    await wait_for(lambda: listed("prefill", "p0", present=False))
+    resp = await client.post("/generate", json={"text": "hello"})
+    assert resp.status == 503 and "not ready" in (await resp.json())["error"]
+    await pi.update(ready=True)
+    await wait_for(lambda: listed("prefill", "p0"))
+
+    await pi.stop(revoke=True)  # the instance dies: its lease and keys go
+    left = await wait_for(lambda: listed("prefill", "p0", present=False))
+    assert left < 1.5
+    ready = await client.get("/readiness")
+    assert ready.status == 503 and "no prefill" in (await ready.json())["prefill"]["reason"]
+
+
+async def test_records_ignored_when_unusable(aiohttp_client: Any, etcd: Any, layout: Any,
+                                             etcd_settings: Any, key_prefix: str,
+                                             stubs: Any, register: Any) -> None:
+    (p,) = await stubs("prefill")
+    # Records present before the router starts are picked up by the initial get.
+    await etcd.put(layout.instance("nourl"), b'{"role": "prefill", "model": "tiny"}')
+    await etcd.put(layout.instance("garbage"), b"not json")
+    await etcd.put(layout.instance("other"), ('{"role": "prefill", "model": "big", "url": "%s"}'
+                                              % p.url).encode())
+    await etcd.put(layout.instance("good"), ('{"role": "prefill", "model": "tiny", "url": "%s"}'
+                                             % p.url).encode())
+    client = await router(aiohttp_client, etcd_settings, key_prefix, model="tiny")
+
+    async def only_good() -> bool:
+        workers = await (await client.get("/workers")).json()
+        return ids(workers, "prefill") == {"good"}
+
+    await wait_for(only_good)
+    # A record rewritten without its url leaves the pool.
+    await etcd.put(layout.instance("good"), b'{"role": "prefill", "model": "tiny"}')
+
+    async def empty() -> bool:
+        return not (await (await client.get("/workers")).json())["prefill"]
+
+    await wait_for(empty)
+
+
+async def test_etcd_record_shadows_static_worker_with_same_url(
+        aiohttp_client: Any, etcd_settings: Any, key_prefix: str, stubs: Any,
+        register: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await router(aiohttp_client, etcd_settings, key_prefix, prefill=[(p.url, None)],
+                          decode=[d.url])
+    inst = await register("p-real", {"role": "prefill", "url": p.url, "bootstrap_port": 9000})
+
+    async def shadowed() -> bool:
+        workers = await (await client.get("/workers")).json()
+        return ids(workers, "prefill") >= {"p-real"}
+
+    await wait_for(shadowed)
+    # One URL, one candidate: the etcd id (the one the block index uses) is chosen.
+    body = await (await client.post("/debug/route", json={"text": "x" * 64})).json()
+    assert [c["instance_id"] for c in body["candidates"]] == ["p-real"]
+    assert body["prefill"]["bootstrap_port"] == 9000
+    await inst.stop()
+
+    async def static_back() -> bool:
+        body = await (await client.post("/debug/route", json={"text": "x" * 64})).json()
+        return body.get("prefill", {}).get("instance_id", "").startswith("static-")
+
+    await wait_for(static_back)
+
+
+async def test_static_workers_serve_while_etcd_is_unreachable(aiohttp_client: Any,
+                                                              stubs: Any) -> None:
+    from index.etcd import EtcdSettings
+    from kvatlas.etcd_proc import free_port
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    dead = EtcdSettings.from_text(f"127.0.0.1:{free_port()}", timeout=0.5)
+    client = await aiohttp_client(create_app(RouterConfig(
+        etcd=dead, prefill=[(p.url, None)], decode=[d.url], health_interval=60)))
+    resp = await client.post("/generate", json={"text": "still routing"})
+    assert resp.status == 200
+    ready = await client.get("/readiness")
+    assert ready.status == 200
+    detail = await ready.json()
+    assert detail["index"]["state"] in ("starting", "loading", "stale")
+    metrics = await (await client.get("/metrics")).text()
+    assert "kvatlas_router_index_ready 0.0" in metrics

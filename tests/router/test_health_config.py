@@ -1,0 +1,85 @@
+"""Health checks against real stubs, and the config/CLI surface."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from router.app import create_app
+from router.appkeys import HEALTH
+from router.config import RouterConfig
+
+
+async def test_health_checks_mark_unhealthy_and_back(stubs: Any, aiohttp_client: Any) -> None:
+    (p,), decodes = await stubs("prefill"), await stubs("decode", 2)
+    cfg = RouterConfig(prefill=[(p.url, None)], decode=[d.url for d in decodes],
+                       health_interval=3600, health_failure_threshold=2,
+                       health_success_threshold=2)
+    app = create_app(cfg)
+    client = await aiohttp_client(app)
+    checker = app[HEALTH]
+    decodes[0].health_status = 503
+    await checker.check_all()
+    await checker.check_all()
+    workers = await (await client.get("/workers")).json()
+    health = {w["url"]: w["healthy"] for w in workers["decode"]}
+    assert health == {decodes[0].url: False, decodes[1].url: True}
+    for _ in range(4):
+        assert (await (await client.post("/generate", json={"text": "x"})).json())["worker"] \
+            == "decode1"
+    await decodes[1].stop()  # connection refused counts as a failed check too
+    await checker.check_all()
+    await checker.check_all()
+    resp = await client.post("/generate", json={"text": "x"})
+    assert resp.status == 503 and "unhealthy" in (await resp.json())["error"]
+    decodes[0].health_status = 200
+    await checker.check_all()
+    assert (await client.get("/readiness")).status == 503  # one success is not enough
+    await checker.check_all()
+    assert (await client.get("/readiness")).status == 200
+
+
+def parse(argv: list[str]) -> RouterConfig:
+    parser = argparse.ArgumentParser()
+    RouterConfig.add_cli_args(parser)
+    return RouterConfig.from_cli_args(parser.parse_args(argv))
+
+
+def test_cli_mirrors_sglang_router_flags() -> None:
+    cfg = parse(["--pd-disaggregation", "--prefill", "http://127.0.0.1:30000", "9001",
+                 "--prefill", "http://127.0.0.1:30001", "none", "--prefill",
+                 "http://127.0.0.1:30002", "--decode", "http://127.0.0.1:30010",
+                 "--policy", "round_robin", "--decode-policy", "random",
+                 "--admin-token", "tok-12345678"])
+    assert cfg.prefill == [("http://127.0.0.1:30000", 9001), ("http://127.0.0.1:30001", None),
+                           ("http://127.0.0.1:30002", None)]
+    assert cfg.decode == ["http://127.0.0.1:30010"]
+    assert cfg.effective_prefill_policy == "round_robin"
+    assert cfg.effective_decode_policy == "random"
+    d = parse([])
+    assert (d.host, d.port, d.max_body, d.health_interval) == ("127.0.0.1", 8000, 32 << 20, 5.0)
+    assert d.effective_prefill_policy == "kv_aware" and d.effective_decode_policy == "power_of_two"
+    assert (d.breaker_failure_threshold, d.breaker_timeout, d.breaker_success_threshold) == \
+        (10, 60.0, 3)
+    assert d.retry_max_attempts == 5 and d.backoff(0) == 0.05 and d.backoff(2) == 0.05 * 2.25
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"policy": "magic"}, "policy"),
+    ({"prefill": [("localhost:80", None)]}, "http://HOST:PORT"),
+    ({"prefill": [("http://h:1", "70000")]}, "bootstrap port"),
+    ({"decode": ["http://h:99999"]}, "port"),
+    ({"admin_token": "short"}, "admin token"),
+    ({"max_body": 0}, "max_body"),
+    ({"retry_jitter": 1.5}, "retry_jitter"),
+    ({"etcd_prefix": "nope"}, "prefix"),
+])
+def test_config_rejects_bad_values(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        RouterConfig(**kwargs)
+
+
+def test_cli_rejects_three_prefill_values() -> None:
+    with pytest.raises(ValueError, match="BOOTSTRAP_PORT"):
+        parse(["--prefill", "http://h:1", "2", "3"])

@@ -1,0 +1,254 @@
+"""The request path through a real router in front of real stub workers."""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from router.requests import MAX_ROOM
+
+
+async def test_generate_goes_to_both_with_injected_bootstrap(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d])
+    resp = await client.post("/generate", json={"text": "hello world", "sampling_params":
+                                                {"max_new_tokens": 4}})
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["worker"] == "decode0"  # the client gets the decode's answer
+    assert len(p.bodies) == len(d.bodies) == 1
+    pb, db = p.bodies[0], d.bodies[0]
+    assert pb == db  # the same body went to both
+    assert pb["bootstrap_host"] == "127.0.0.1"
+    assert pb["bootstrap_port"] is None  # static prefill without a port: the prefill's default
+    assert 1 <= pb["bootstrap_room"] <= MAX_ROOM
+    assert pb["text"] == "hello world" and pb["sampling_params"] == {"max_new_tokens": 4}
+
+
+async def test_client_bootstrap_fields_are_replaced(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d])
+    resp = await client.post("/generate", json={"text": "x", "bootstrap_room": 7,
+                                                "bootstrap_host": "evil"})
+    assert resp.status == 200
+    assert d.bodies[0]["bootstrap_room"] != 7 and d.bodies[0]["bootstrap_host"] == "127.0.0.1"
+    raw = b'{"text": "spliced", "sampling_params": {"max_new_tokens": 2}}  \n'
+    resp = await client.post("/generate", data=raw)
+    assert resp.status == 200
+    assert d.bodies[1]["text"] == "spliced" and d.bodies[1]["bootstrap_room"] == p.bodies[1][
+        "bootstrap_room"] and d.bodies[1]["sampling_params"] == {"max_new_tokens": 2}
+
+
+async def test_batch_gets_lists_with_distinct_rooms(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d])
+    resp = await client.post("/generate", json={"text": ["a", "b", "c", "d"]})
+    assert resp.status == 200
+    b = d.bodies[0]
+    assert b["bootstrap_host"] == ["127.0.0.1"] * 4 and b["bootstrap_port"] == [None] * 4
+    assert len(set(b["bootstrap_room"])) == 4
+    resp = await client.post("/generate", json={"input_ids": [[1, 2], [3, 4]]})
+    assert resp.status == 200 and len(set(d.bodies[1]["bootstrap_room"])) == 2
+
+
+async def test_static_bootstrap_port_is_injected(stubs: Any, aiohttp_client: Any) -> None:
+    from router.app import create_app
+    from router.config import RouterConfig
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await aiohttp_client(create_app(RouterConfig(prefill=[(p.url, "9123")],
+                                                          decode=[d.url])))
+    assert (await client.post("/v1/completions", json={"prompt": "x"})).status == 200
+    assert d.bodies[0]["bootstrap_port"] == 9123
+
+
+async def test_headers_forwarded_and_request_id(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d])
+    tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    resp = await client.post("/v1/chat/completions", headers={
+        "authorization": "Bearer user-key", "traceparent": tp, "x-request-id": "req-42"},
+        json={"messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status == 200 and resp.headers["x-request-id"] == "req-42"
+    for stub in (p, d):
+        h = {k.lower(): v for k, v in stub.headers[0].items()}
+        assert h["authorization"] == "Bearer user-key"
+        assert h["traceparent"] == tp and h["x-request-id"] == "req-42"
+    resp = await client.post("/generate", json={"text": "x"})
+    rid = resp.headers["x-request-id"]
+    assert len(rid) >= 16
+    assert {k.lower(): v for k, v in d.headers[1].items()}["x-request-id"] == rid
+
+
+async def test_retry_draws_new_room_each_attempt(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    d.statuses = [503, 500]
+    client = await make_router([p], [d])
+    resp = await client.post("/generate", json={"text": "retry me"})
+    assert resp.status == 200
+    assert len(d.bodies) == 3 and len(p.bodies) == 3
+    assert len(set(d.rooms)) == 3 and d.rooms == p.rooms
+    metrics = await (await client.get("/metrics")).text()
+    assert 'kvatlas_router_retries_total{route="/generate"} 2.0' in metrics
+
+
+async def test_retries_stop_after_max_attempts(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    d.statuses = [429] * 10
+    client = await make_router([p], [d], retry_max_attempts=3)
+    resp = await client.post("/generate", json={"text": "x"})
+    assert resp.status == 429 and len(d.bodies) == 3
+    assert "scripted 429" in (await resp.json())["error"]
+    # 429 is a client-class answer: it never counts against the breaker.
+    workers = await (await client.get("/workers")).json()
+    assert workers["decode"][0]["circuit"] == "closed"
+
+
+async def test_non_retryable_4xx_passes_through(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    d.statuses = [400]
+    client = await make_router([p], [d])
+    resp = await client.post("/generate", json={"text": "x"})
+    assert resp.status == 400 and len(d.bodies) == 1
+
+
+async def test_prefill_failure_is_502_and_blamed_on_prefill(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    p.statuses = [500] * 10
+    d.delay = 0.3  # a real decode waits for the KV
+    client = await make_router([p], [d], retry_max_attempts=2)
+    resp = await client.post("/generate", json={"text": "x"})
+    assert resp.status == 502
+    assert "prefill" in (await resp.json())["error"]
+    workers = await (await client.get("/workers")).json()
+    pw, dw = workers["prefill"][0], workers["decode"][0]
+    assert pw["load"] == 0 and dw["load"] == 0
+    metrics = await (await client.get("/metrics")).text()
+    assert 'kvatlas_router_upstream_errors_total{reason="500",role="prefill"} 2.0' in metrics
+    assert 'role="decode"' not in metrics.split("kvatlas_router_upstream_errors_total")[1] \
+        .split("# HELP")[0]
+
+
+async def test_retry_moves_to_another_prefill(stubs: Any, make_router: Any) -> None:
+    prefills, (d,) = await stubs("prefill", 2), await stubs("decode")
+    prefills[0].statuses = [500] * 100
+    client = await make_router(prefills, [d], policy="random")
+    for _ in range(5):
+        resp = await client.post("/generate", json={"text": "x"})
+        assert resp.status == 200
+    # A failed prefill is avoided on the next attempt of the same request.
+    assert len(prefills[1].bodies) == 5 and len(prefills[0].bodies) <= 5
+
+
+async def test_transport_error_is_retried_elsewhere(stubs: Any, make_router: Any) -> None:
+    (p,), decodes = await stubs("prefill"), await stubs("decode", 2)
+    client = await make_router([p], decodes)
+    await decodes[0].stop()
+    for _ in range(6):
+        resp = await client.post("/generate", json={"text": "x"})
+        assert resp.status == 200
+        assert (await resp.json())["worker"] == "decode1"
+
+
+async def test_streaming_is_passed_through_unbuffered(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    d.release_stream = asyncio.Event()
+    client = await make_router([p], [d])
+    resp = await client.post("/v1/completions", json={"prompt": "stream", "stream": True})
+    assert resp.status == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    # The first event reaches the client while the decode is still holding the rest back.
+    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+    assert json.loads(first[len(b"data: "):])["text"] == "tok0"
+    d.release_stream.set()
+    rest = await resp.content.read()
+    assert rest.count(b"data: ") == 3 and rest.endswith(b"data: [DONE]\n\n")
+
+
+async def test_no_retry_after_first_streamed_byte(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    d.fail_stream_after_first = True
+    client = await make_router([p], [d])
+    resp = await client.post("/generate", json={"text": "x", "stream": True})
+    assert resp.status == 200
+    try:
+        data = await resp.content.read()
+    except Exception:  # noqa: BLE001 - a cut stream may surface as a payload error
+        data = b""
+    assert b"tok1" not in data
+    assert len(d.bodies) == 1  # never re-sent
+
+
+async def test_stream_error_before_first_byte_is_retried(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    d.statuses = [503]
+    client = await make_router([p], [d])
+    resp = await client.post("/generate", json={"text": "x", "stream": True})
+    assert resp.status == 200
+    assert (await resp.content.read()).endswith(b"data: [DONE]\n\n")
+    assert len(d.bodies) == 2 and d.rooms[0] != d.rooms[1]
+
+
+async def test_503_when_nothing_can_be_selected(stubs: Any, make_router: Any) -> None:
+    (p,) = await stubs("prefill")
+    client = await make_router([p], [])
+    resp = await client.post("/generate", json={"text": "x"})
+    assert resp.status == 503
+    body = await resp.json()
+    assert "no decode workers" in body["error"] and body["role"] == "decode"
+    assert not p.bodies
+    ready = await client.get("/readiness")
+    assert ready.status == 503
+    assert (await ready.json())["decode"]["available"] == 0
+
+
+async def test_breaker_opens_after_failures_then_503(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    d.statuses = [500] * 100
+    client = await make_router([p], [d], breaker_failure_threshold=4, retry_max_attempts=2)
+    statuses = [(await client.post("/generate", json={"text": "x"})).status for _ in range(3)]
+    assert statuses[:2] == [500, 500]
+    assert statuses[2] == 503  # 4 failures opened the decode's circuit
+    body = await (await client.post("/generate", json={"text": "x"})).json()
+    assert "open circuit" in body["error"]
+    assert len(d.bodies) == 4
+    workers = await (await client.get("/workers")).json()
+    assert workers["decode"][0]["circuit"] == "open"
+    assert workers["prefill"][0]["circuit"] == "closed"
+    metrics = await (await client.get("/metrics")).text()
+    assert 'kvatlas_router_breaker_state{instance="%s",role="decode"} 2.0' % \
+        workers["decode"][0]["instance_id"] in metrics
+
+
+async def test_models_health_liveness(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d], model="tiny")
+    assert (await (await client.get("/v1/models")).json())["data"][0]["id"] == "tiny"
+    assert (await client.get("/health")).status == 200
+    assert (await client.get("/liveness")).status == 200
+    ready = await client.get("/readiness")
+    assert ready.status == 200
+    detail = await ready.json()
+    assert detail["prefill"]["available"] == 1 and detail["index"]["state"].startswith("off")
+    resp = await client.post("/v1/completions", json={"prompt": "x", "model": "tiny"})
+    assert resp.status == 200
+
+
+async def test_loads_return_to_zero_after_concurrent_mixed_traffic(stubs: Any,
+                                                                   make_router: Any) -> None:
+    prefills, decodes = await stubs("prefill", 2), await stubs("decode", 2)
+    prefills[0].statuses = [500, 200, 500] * 4
+    decodes[1].statuses = [503, 200] * 6
+    for s in prefills + decodes:
+        s.delay = 0.02
+    client = await make_router(prefills, decodes)
+
+    async def one(i: int) -> int:
+        body: dict[str, Any] = {"text": f"req {i} " * 10, "stream": i % 3 == 0}
+        resp = await client.post("/generate", json=body)
+        await resp.read()
+        return resp.status
+
+    statuses = await asyncio.gather(*(one(i) for i in range(30)))
+    assert statuses.count(200) == 30
+    await asyncio.sleep(0.1)  # background prefill answers of streamed requests
+    workers = await (await client.get("/workers")).json()
+    assert [w["load"] for role in ("prefill", "decode") for w in workers[role]] == [0, 0, 0, 0]
