@@ -122,6 +122,10 @@ MODELS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(name="tiny", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                         hidden_size=64, intermediate_size=128, max_positions=2048,
                         dtype="float64"),
+    # tiny with 4 KV heads: TP up to 4 splits its heads (the PD tests' (4, 2) rank combination)
+    "tiny-kv4": ModelConfig(name="tiny-kv4", num_layers=2, num_heads=8, num_kv_heads=4,
+                            head_dim=8, hidden_size=64, intermediate_size=128, max_positions=2048,
+                            dtype="float64"),
     "bench": ModelConfig(name="bench", num_layers=32, num_heads=8, num_kv_heads=8, head_dim=128,
                          hidden_size=256, intermediate_size=512, max_positions=32768,
                          dtype="bfloat16"),

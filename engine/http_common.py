@@ -22,6 +22,9 @@ from engine.serve_config import EngineServerConfig
 
 log = logging.getLogger(__name__)
 
+DISCONNECT_POLL_S = 0.1
+"""How often a non-streaming handler checks that its client is still connected."""
+
 
 @dataclass
 class EngineState:
@@ -67,7 +70,41 @@ async def error_middleware(request: web.Request,
 
 
 async def read_body(request: web.Request) -> dict[str, Any]:
-    return load_json(await request.read())
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        limit = request.client_max_size
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=limit, actual_size=request.content_length or limit + 1,
+            content_type="application/json",
+            text=json.dumps({"error": f"request body is larger than {limit} bytes (the server's "
+                                      f"--max-request-bytes)"})) from exc
+    return load_json(raw)
+
+
+async def until_disconnected(request: web.Request, aw: Awaitable[Any]) -> Any:
+    """Await ``aw`` unless the client goes away first: then cancel it (which aborts the engine
+    requests it runs) and raise ConnectionResetError.
+
+    aiohttp cancels a handler on disconnect only when its runner was made with
+    ``handler_cancellation=True`` (off by default, e.g. in ``web.run_app``), and a non-streaming
+    handler writes nothing until the end, so without this a client that hangs up would keep
+    its request decoding to ``max_new_tokens``.
+    """
+    task = asyncio.ensure_future(aw)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                raise ConnectionResetError(f"client of {request.path} disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 # -- generation helpers ------------------------------------------------------------------------

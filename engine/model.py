@@ -6,9 +6,13 @@ Weights come from a ``torch.Generator`` on the CPU with a fixed seed, drawn as u
 same seed gives bit-identical weights on any machine and any device they are moved to later.
 
 One forward serves a whole scheduler step: a list of ``SeqChunk`` (a prefill chunk or one decode
-token per sequence). Dense layers run over all tokens of the step at once; attention runs per
-sequence over the K/V it reads back from the pool, so a request's result does not depend on what
-else shares its step, and a cached prefix is read exactly like a freshly written one.
+token per sequence). Attention runs per sequence over the K/V it reads back from the pool, so a
+cached prefix is read exactly like a freshly written one. Dense layers (projections, MLP, LM head)
+run over all tokens of the step at once, and a matmul's blocking and reduction order depend on its
+shape: a request's logits can differ in the last bits with what else shares its step. They are
+not bit-identical across batch shapes. What the tests compare across batchings (and PD vs
+monolithic) are greedy tokens: the tiny model computes in float64, where such differences are
+~1e-16 relative and can flip a token only on a near-exact tie of the top two logits.
 
 Tensor parallelism (#5): a model built for ``kv_heads=range(a, b)`` owns those KV heads and their
 query heads, and a pool built with the same range holds only their K/V. Every attention
@@ -171,6 +175,8 @@ class Transformer:
             for ci, c in enumerate(chunks):
                 lo, hi = bounds[ci], bounds[ci + 1]
                 kc, vc = pool.gather(li, c.table, c.start + len(c.tokens))
+                if kc.dtype != q.dtype:  # a KV cache stored in another dtype (--kv-cache-dtype)
+                    kc, vc = kc.to(q.dtype), vc.to(q.dtype)
                 qc = q[lo:hi].view(-1, nkv, g, d)
                 for grp in range(nkv):
                     outs[grp].append(self._attend(qc[:, grp], kc[:, grp], vc[:, grp], c.start))

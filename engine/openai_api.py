@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.http_common import (EngineState, check_fits, collect, read_body, sse_response,
-                                sse_send, state)
+                                sse_send, state, until_disconnected)
 from engine.protocol import GenInput, include_usage, parse_chat, parse_completion
 from engine.scheduler import RequestOutput
 
@@ -55,7 +55,7 @@ async def _run(request: web.Request, st: EngineState, gi: GenInput, stream: bool
     base = {"id": rid, "created": int(time.time()), "model": st.config.model_name}
     if stream:
         return await _stream(request, st, gi, base, with_usage, chat)
-    ids, text, out = await collect(st, gi)
+    ids, text, out = await until_disconnected(request, collect(st, gi))
     if chat:
         choice: dict[str, Any] = {"index": 0,
                                   "message": {"role": "assistant", "content": text},

@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.config import ModelConfig
 from engine.errors import BadRequest
-from engine.sampling import MAX_SEED, SamplingParams
+from engine.sampling import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from engine.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
@@ -38,6 +38,8 @@ def load_json(raw: bytes) -> dict[str, Any]:
         body = json.loads(text)
     except json.JSONDecodeError as exc:
         raise BadRequest("body", f"not valid JSON: {exc.msg} at position {exc.pos}") from None
+    except RecursionError:
+        raise BadRequest("body", "JSON nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("body", "must be a JSON object")
     return body
@@ -88,6 +90,12 @@ def _stop(d: dict[str, Any], key: str, prefix: str = "") -> list[str]:
     items = [v] if isinstance(v, str) else v
     if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
         raise BadRequest(prefix + key, "must be a non-empty string or a list of non-empty strings")
+    if len(items) > MAX_STOP_STRINGS:
+        raise BadRequest(prefix + key, f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
+    for i, s in enumerate(items):
+        if len(s) > MAX_STOP_CHARS:
+            raise BadRequest(prefix + key, f"stop string {i} has {len(s)} characters; at most "
+                                           f"{MAX_STOP_CHARS}")
     for s in items:
         _check_text(s, prefix + key)
     return list(items)
@@ -100,20 +108,35 @@ def _check_text(text: str, field: str) -> None:
         raise BadRequest(field, "is not valid UTF-8 (contains a lone surrogate)") from None
 
 
-def encode_text(text: object, field: str, add_bos: bool = True) -> list[int]:
+def _too_long(n: int, field: str, max_positions: int) -> BadRequest:
+    return BadRequest(field, f"prompt has {n} tokens; the model takes at most "
+                             f"{max_positions - 1} (max positions {max_positions})")
+
+
+def encode_text(text: object, field: str, add_bos: bool = True,
+                max_positions: int | None = None) -> list[int]:
+    """Token ids of ``text``; with ``max_positions`` an over-long text is refused from its
+    length before any token list is built (a huge body costs no per-byte Python work)."""
     if not isinstance(text, str):
         raise BadRequest(field, f"must be a string, got {type(text).__name__}")
     if not text:
         raise BadRequest(field, "must not be empty")
     _check_text(text, field)
+    if max_positions is not None:
+        # chars <= UTF-8 bytes, so the cheap check first refuses huge texts without encoding
+        for n in (len(text), len(text.encode("utf-8"))):
+            if n + add_bos >= max_positions:
+                raise _too_long(n + add_bos, field, max_positions)
     return TOKENIZER.encode(text, add_bos=add_bos)
 
 
-def check_ids(ids: object, field: str, vocab: int) -> list[int]:
+def check_ids(ids: object, field: str, vocab: int, max_positions: int | None = None) -> list[int]:
     if not isinstance(ids, list):
         raise BadRequest(field, f"must be a list of token ids, got {type(ids).__name__}")
     if not ids:
         raise BadRequest(field, "must not be empty")
+    if max_positions is not None and len(ids) >= max_positions:
+        raise _too_long(len(ids), field, max_positions)
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int):
             raise BadRequest(f"{field}[{i}]", f"must be an integer, got {type(t).__name__}")
@@ -124,8 +147,7 @@ def check_ids(ids: object, field: str, vocab: int) -> list[int]:
 
 def check_prompt_len(prompt: list[int], field: str, model: ModelConfig) -> None:
     if len(prompt) >= model.max_positions:
-        raise BadRequest(field, f"prompt has {len(prompt)} tokens; the model takes at most "
-                                f"{model.max_positions - 1} (max positions {model.max_positions})")
+        raise _too_long(len(prompt), field, model.max_positions)
 
 
 def build_params(d: dict[str, Any], prompt_len: int, model: ModelConfig, *, max_key: str,
@@ -165,11 +187,13 @@ def parse_generate(body: dict[str, Any], model: ModelConfig) -> tuple[list[GenIn
         raise BadRequest("text", "give exactly one of text or input_ids")
     if text is not None:
         batch = isinstance(text, list)
-        prompts = [encode_text(t, f"text[{i}]" if batch else "text")
+        prompts = [encode_text(t, f"text[{i}]" if batch else "text",
+                               max_positions=model.max_positions)
                    for i, t in enumerate(text if batch else [text])]
     else:
         batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-        prompts = [check_ids(p, f"input_ids[{i}]" if batch else "input_ids", model.vocab_size)
+        prompts = [check_ids(p, f"input_ids[{i}]" if batch else "input_ids", model.vocab_size,
+                             model.max_positions)
                    for i, p in enumerate(ids if batch else [ids])]
     if batch and not prompts:
         raise BadRequest("text" if text is not None else "input_ids", "batch must not be empty")
@@ -199,10 +223,27 @@ def parse_generate(body: dict[str, Any], model: ModelConfig) -> tuple[list[GenIn
 
 
 # -- OpenAI -----------------------------------------------------------------------------------
+# OpenAI fields this engine does not implement, with the values that mean "not used": any other
+# value is refused rather than silently ignored (a client asking for logprobs must not get none)
+UNSUPPORTED_OPENAI: dict[str, tuple[object, ...]] = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+    "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""),
+    "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
+}
+
+
 def _common_openai(body: dict[str, Any]) -> None:
     n = _int(body, "n", 1)
     if n != 1:
         raise BadRequest("n", "only n = 1 is supported")
+    for key, defaults in UNSUPPORTED_OPENAI.items():
+        v = body.get(key)
+        # True == 1 in Python: a bool only matches a bool default (best_of: true is refused)
+        if v is not None and not any(v == d and isinstance(v, bool) == isinstance(d, bool)
+                                     for d in defaults):
+            raise BadRequest(key, f"is not supported by this engine (got {json.dumps(v)[:80]}); "
+                                  f"omit it or use {json.dumps(defaults[1])}")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("model", "must be a string")
@@ -215,15 +256,17 @@ def _max_key(body: dict[str, Any]) -> str:
 def parse_completion(body: dict[str, Any], model: ModelConfig) -> tuple[GenInput, bool]:
     _common_openai(body)
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) >= model.max_positions:
+        raise _too_long(len(prompt), "prompt", model.max_positions)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                    for t in prompt):
-        ids = check_ids(prompt, "prompt", model.vocab_size)
+        ids = check_ids(prompt, "prompt", model.vocab_size, model.max_positions)
     elif isinstance(prompt, list):
         if len(prompt) != 1:
             raise BadRequest("prompt", "exactly one prompt per request is supported")
-        ids = encode_text(prompt[0], "prompt[0]")
+        ids = encode_text(prompt[0], "prompt[0]", max_positions=model.max_positions)
     else:
-        ids = encode_text(prompt, "prompt")
+        ids = encode_text(prompt, "prompt", max_positions=model.max_positions)
     check_prompt_len(ids, "prompt", model)
     params = build_params(body, len(ids), model, max_key=_max_key(body),
                           default_max=OPENAI_COMPLETION_DEFAULT_MAX_TOKENS)
@@ -239,7 +282,7 @@ def parse_chat(body: dict[str, Any], model: ModelConfig) -> tuple[GenInput, bool
         text = TOKENIZER.apply_chat_template(messages)
     except ValueError as exc:
         raise BadRequest("messages", str(exc)) from None
-    ids = encode_text(text, "messages")
+    ids = encode_text(text, "messages", max_positions=model.max_positions)
     check_prompt_len(ids, "messages", model)
     params = build_params(body, len(ids), model, max_key=_max_key(body),
                           default_max=DEFAULT_MAX_NEW_TOKENS)

@@ -2,7 +2,9 @@
 
 Sampling is per request: a request's own ``torch.Generator`` (seeded from ``seed``, or from the OS
 when no seed is given) draws its tokens, so a seeded request gives the same tokens whatever else
-runs beside it. ``temperature == 0`` is greedy (first maximum on ties).
+runs beside it. A temperature below ``SAMPLING_EPS`` is greedy (first maximum on ties), like
+vLLM's ``_SAMPLING_EPS``: dividing logits by a subnormal temperature overflows to inf and the
+softmax to NaN.
 """
 from __future__ import annotations
 
@@ -14,6 +16,12 @@ import torch
 from engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, IncrementalDetokenizer
 
 MAX_SEED = 2**63 - 1
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy."""
+MAX_STOP_STRINGS = 32
+"""Stop strings one request may give."""
+MAX_STOP_CHARS = 256
+"""Characters of one stop string at most."""
 
 
 @dataclass
@@ -23,7 +31,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     """Tokens to generate at most."""
     temperature: float = 1.0
-    """Softmax temperature; 0 means greedy."""
+    """Softmax temperature; below ``SAMPLING_EPS`` (1e-5) means greedy."""
     top_p: float = 1.0
     """Nucleus mass in (0, 1]."""
     top_k: int = -1
@@ -44,10 +52,14 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must have 1 to {MAX_STOP_CHARS} characters")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -75,14 +87,49 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -
         sorted_x[before >= params.top_p] = float("-inf")
         x = torch.full_like(x, float("-inf")).scatter(0, order, sorted_x)
     probs = torch.softmax(x, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        # overflow (huge logits over a tiny temperature): the distribution's limit is the argmax
+        return int(torch.argmax(x))
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+class _StopMatcher:
+    """KMP automaton of one stop string fed the text a character at a time: ``state`` is the
+    length of the longest prefix of ``s`` that ends the text so far, so matching and the
+    hold-back cost O(1) amortized per generated character instead of rescanning the tail."""
+
+    def __init__(self, s: str) -> None:
+        self.s = s
+        self.state = 0
+        self.fail = [0] * len(s)
+        k = 0
+        for i in range(1, len(s)):
+            while k and s[i] != s[k]:
+                k = self.fail[k - 1]
+            if s[i] == s[k]:
+                k += 1
+            self.fail[i] = k
+
+    def feed(self, ch: str) -> bool:
+        """Advance by one character; True when the whole stop string now ends the text."""
+        s, k = self.s, self.state
+        while k and s[k] != ch:
+            k = self.fail[k - 1]
+        if s[k] == ch:
+            k += 1
+        if k == len(s):
+            self.state = self.fail[k - 1]
+            return True
+        self.state = k
+        return False
 
 
 class TextStream:
     """Detokenizes a request's output and applies stop tokens and stop strings.
 
     Text that could be the start of a stop string is held back until it is known not to be, so
-    streamed deltas never include (part of) a stop string.
+    streamed deltas never include (part of) a stop string. The first stop string to be completed
+    (the earliest end in the text) ends generation.
     """
 
     def __init__(self, params: SamplingParams) -> None:
@@ -94,23 +141,27 @@ class TextStream:
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self._stop_ids.add(EOS_ID)
+        self._matchers = [_StopMatcher(s) for s in params.stop]
 
     def push(self, token: int) -> tuple[str, bool]:
         """Feed one generated token; returns (text delta, stopped)."""
         if token in self._stop_ids:
             self.matched = token
             return self._finish(), True
-        self.detok.push(token)
+        new = self.detok.push(token)
         full = self.detok.text
-        for s in self.params.stop:
-            i = full.find(s, max(0, self.emitted - len(s)))
-            if i >= 0:
-                self.matched = s
-                delta = full[self.emitted:i]
-                self.text = full[:i]
-                self.emitted = i
-                return delta, True
-        hold = self._holdback(full)
+        base = len(full) - len(new)
+        for j, ch in enumerate(new):
+            for m in self._matchers:
+                if m.feed(ch):
+                    # held-back text never reaches past a possible match start, so i >= emitted
+                    i = max(self.emitted, base + j + 1 - len(m.s))
+                    self.matched = m.s
+                    delta = full[self.emitted:i]
+                    self.text = full[:i]
+                    self.emitted = i
+                    return delta, True
+        hold = max((m.state for m in self._matchers), default=0)
         end = len(full) - hold
         delta = full[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
@@ -128,11 +179,3 @@ class TextStream:
         self.text = full
         return delta
 
-    def _holdback(self, full: str) -> int:
-        best = 0
-        for s in self.params.stop:
-            for n in range(min(len(s) - 1, len(full)), best, -1):
-                if full.endswith(s[:n]):
-                    best = n
-                    break
-        return best

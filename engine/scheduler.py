@@ -181,6 +181,12 @@ class Scheduler:
         req.table = list(table)
         req.computed = len(req.prompt)
         req.cacheable = False
+        if not req.params.greedy:
+            # the prefill drew the first token from this seed's stream; advance ours past that
+            # draw (its consumption does not depend on the logits) so that seeded sampling
+            # continues exactly as in one process
+            sample(torch.zeros(self.model.cfg.vocab_size, dtype=torch.float64), req.params,
+                   req.gen)
         self.running.append(req)
         self.totals["requests"] += 1
         return self._emit(req, first_token)
@@ -244,11 +250,25 @@ class Scheduler:
                 stats.prefill_tokens += n
             else:
                 stats.decode_tokens += n
+            token = None
+            if req.computed + n >= len(req.prompt):
+                # per request: one request's sampler failure must not touch the others, and a
+                # request whose token was not produced must not look one position further on
+                try:
+                    token = sample(row, req.params, req.gen)
+                except Exception as exc:
+                    log.exception("sampling failed for request %s", req.rid)
+                    outputs.append(self._fail(req, f"sampling failed: {exc}"))
+                    continue
             req.computed += n
             self._commit_blocks(req)
-            if req.computed < len(req.prompt):
+            if token is None:
                 continue
-            outputs.append(self._emit(req, sample(row, req.params, req.gen)))
+            try:
+                outputs.append(self._emit(req, token))
+            except Exception as exc:
+                log.exception("emitting a token failed for request %s", req.rid)
+                outputs.append(self._fail(req, f"output failed: {exc}"))
         self.totals["prefill_computed_tokens"] += stats.prefill_tokens
         stats.seconds = time.perf_counter() - t0
         self.last_step = stats

@@ -9,8 +9,8 @@ from index.events.endpoints import parse_tcp
 
 DEFAULT_KV_BYTES = 1 << 30
 DEFAULT_MAX_PAGES = 4096
-MODES = ("monolithic",)
-"""Serving modes implemented here; prefill and decode come with the PD data plane."""
+MODES = ("monolithic", "prefill", "decode")
+"""Serving modes: prefill and decode run the PD data plane (``engine.pd``)."""
 
 
 @dataclass
@@ -18,7 +18,8 @@ class EngineServerConfig:
     """One worker: model, KV pool, scheduler limits, HTTP address and KV-event publishing."""
 
     mode: str = "monolithic"
-    """Serving mode: ``monolithic`` (prefill and decode in one process)."""
+    """Serving mode: ``monolithic`` (prefill and decode in one process), ``prefill`` or
+    ``decode`` (disaggregated; see ``engine.pd.config.PDConfig``)."""
     model: str = "tiny"
     """Model config name (``tiny`` or ``bench``)."""
     model_seed: int = 0
@@ -55,6 +56,9 @@ class EngineServerConfig:
     """KV-event replay ROUTER endpoint (always bound); None disables replay."""
     kv_events_topic: str = ""
     """Topic frame of KV-event messages."""
+    max_request_bytes: int = 8 << 20
+    """Largest HTTP request body accepted (413 beyond). A few MiB covers any prompt the models'
+    positions allow; a bigger limit only lets one client make the server buffer and parse more."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -73,7 +77,8 @@ class EngineServerConfig:
         if self.num_pages is None:
             page_bytes = self.model_config.kv_bytes_per_token * self.page_size
             self.num_pages = max(1, min(DEFAULT_MAX_PAGES, DEFAULT_KV_BYTES // page_bytes))
-        for name in ("page_size", "num_pages", "max_batch_tokens", "max_running"):
+        for name in ("page_size", "num_pages", "max_batch_tokens", "max_running",
+                     "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for ep in (self.kv_events, self.kv_events_replay):
@@ -122,6 +127,8 @@ class EngineServerConfig:
                             help="publish KV events on this ZMQ endpoint (vLLM wire format)")
         parser.add_argument("--kv-events-replay", default=None, metavar="ENDPOINT",
                             help="KV-event replay ROUTER endpoint")
+        parser.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                            help="largest HTTP request body accepted (413 beyond)")
         parser.add_argument("--kv-events-topic", default=d.kv_events_topic,
                             help="KV-event topic frame")
 
@@ -133,4 +140,5 @@ class EngineServerConfig:
                    port=args.port, page_size=args.page_size, num_pages=args.num_pages,
                    max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                    enable_prefix_cache=not args.disable_prefix_cache, kv_events=args.kv_events,
-                   kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic)
+                   kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,
+                   max_request_bytes=args.max_request_bytes)

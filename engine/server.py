@@ -27,7 +27,7 @@ from engine.config import ModelConfig
 from engine.errors import BadRequest
 from engine.http_common import (CONFIG_KEY, STATE_KEY, EngineState, check_fits, collect,
                                 error_middleware, json_error, read_body, sse_response, sse_send,
-                                state)
+                                state, until_disconnected)
 from engine.metrics import make_registry
 from engine.protocol import GenInput, parse_generate
 from engine.runner import AsyncEngine, build_scheduler
@@ -56,7 +56,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     if stream:
         return await generate_stream(request, st, inputs[0], started)
-    results = await asyncio.gather(*(collect(st, gi) for gi in inputs))
+    results = await until_disconnected(
+        request, asyncio.gather(*(collect(st, gi) for gi in inputs)))
     bodies = [{"text": text, "output_ids": ids, "meta_info": meta_info(gi.rid or "", out, started)}
               for gi, (ids, text, out) in zip(inputs, results)]
     return web.json_response(bodies if batch else bodies[0])
@@ -64,11 +65,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def generate_stream(request: web.Request, st: EngineState, gi: GenInput,
                           started: float) -> web.StreamResponse:
-    resp = await sse_response(request)
     ids: list[int] = []
     text = ""
     async with contextlib.aclosing(st.engine.generate(gi.prompt, gi.params, gi.rid)) as gen:
-        async for out in gen:
+        # the engine refuses a request (a rid already in flight: 400) when it is submitted, so
+        # submit before the 200 and the stream headers go out
+        out: RequestOutput | None = await anext(gen)
+        resp = await sse_response(request)
+        while out is not None:
             ids.extend(out.new_ids)
             text += out.text_delta
             if out.error:
@@ -76,6 +80,7 @@ async def generate_stream(request: web.Request, st: EngineState, gi: GenInput,
                 break
             await sse_send(resp, {"text": text, "output_ids": list(ids),
                                   "meta_info": meta_info(gi.rid or "", out, started)})
+            out = await anext(gen, None)
     await sse_send(resp, "[DONE]")
     await resp.write_eof()
     return resp
@@ -211,7 +216,8 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_app(config: EngineServerConfig) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[error_middleware],
+                          client_max_size=config.max_request_bytes)
     app[CONFIG_KEY] = config
     app.cleanup_ctx.append(engine_ctx)
     r = app.router
@@ -235,5 +241,6 @@ def create_app(config: EngineServerConfig) -> web.Application:
 
 def run(config: EngineServerConfig) -> None:
     """Serve until interrupted (blocking; used by the CLI)."""
+    # a client that hangs up cancels its handler, which aborts its engine requests
     web.run_app(create_app(config), host=config.host, port=config.port, print=None,
-                access_log=None)
+                access_log=None, handler_cancellation=True)
