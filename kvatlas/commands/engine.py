@@ -1,27 +1,44 @@
-"""``kvatlas engine serve``: run one engine worker (monolithic now; prefill/decode with #5)."""
+"""``kvatlas engine serve``: run one engine worker: monolithic, or one half of a prefill/decode
+pair (``--mode prefill|decode``, one process per rank)."""
 from __future__ import annotations
 
 import argparse
 
-from kvatlas.cli import CLIError
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from engine.pd.config import PDConfig
     from engine.serve_config import EngineServerConfig
+    from kvatlas.commands._common import add_etcd_args
 
     parser = subparsers.add_parser("engine", help="reference engine workers")
     sub = parser.add_subparsers(dest="engine_command", metavar="ACTION", required=True)
     serve = sub.add_parser("serve", help="serve the engine's HTTP API",
-                           description="Serve the reference engine (SGLang/OpenAI-compatible HTTP).")
+                           description="Serve the reference engine (SGLang/OpenAI-compatible "
+                                       "HTTP): monolithic, or one half of a PD pair.")
     EngineServerConfig.add_cli_args(serve)
+    PDConfig.add_cli_args(serve)
+    add_etcd_args(serve)
     serve.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from engine.serve_config import MODES, EngineServerConfig
-    from engine.server import run
+    import logging
+    import os
 
-    if args.mode not in MODES:
-        raise CLIError(f"--mode {args.mode} is not implemented yet (available: {', '.join(MODES)})")
-    run(EngineServerConfig.from_cli_args(args))
+    from engine.serve_config import EngineServerConfig
+
+    logging.basicConfig(level=os.environ.get("KVATLAS_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = EngineServerConfig.from_cli_args(args)
+    if engine.mode == "monolithic":
+        from engine.server import run
+
+        run(engine)
+        return 0
+    from engine.pd.config import PDConfig
+    from engine.pd.launch import serve
+    from kvatlas.commands._common import etcd_settings
+
+    cfg = PDConfig.from_cli_args(args, engine, etcd_settings(args) if args.etcd else None)
+    serve(cfg)
     return 0

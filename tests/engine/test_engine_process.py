@@ -1,5 +1,5 @@
 """Two real ``kvatlas engine serve`` processes with the same seed give the same tokens (greedy and
-seeded sampling); the CLI refuses modes that are not implemented yet."""
+seeded sampling); the CLI refuses PD settings that cannot work, naming the flag."""
 from __future__ import annotations
 
 import asyncio
@@ -84,8 +84,8 @@ async def test_two_processes_same_seed_same_tokens() -> None:
                 p.stdout.close()
 
 
-def test_cli_refuses_unimplemented_mode() -> None:
+def test_cli_refuses_bad_pd_settings() -> None:
     r = subprocess.run([sys.executable, "-m", "kvatlas", "engine", "serve", "--mode", "decode",
-                        "--port", str(free_port())], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=60)
-    assert r.returncode == 2 and "--mode decode is not implemented yet" in r.stderr
+                        "--dp", "2", "--port", str(free_port())], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--dp applies to prefill instances" in r.stderr

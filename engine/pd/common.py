@@ -1,0 +1,92 @@
+"""Pieces shared by the prefill and decode workers: building one rank's engine, the bootstrap
+fields of a PD request, and errors as JSON."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from engine.errors import BadRequest
+from engine.kv_pool import KVPool
+from engine.model import Combine, SeqChunk, Transformer
+from engine.pd.config import PDConfig
+from engine.pd.dist import Dist, RankInfo
+from engine.prefix_cache import PrefixCache
+from engine.scheduler import Scheduler
+from transfer import KVLayout
+from transfer.layout import dtype_from_name
+
+log = logging.getLogger(__name__)
+
+ROUTER_HINT = "send PD requests through the router"
+MAX_ROOM = 2**63 - 1
+
+
+class ShardedModel:
+    """A KV-head shard of the model whose forward gathers the other TP ranks' partials."""
+
+    def __init__(self, model: Transformer, combine: Combine) -> None:
+        self._model = model
+        self._combine = combine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def forward(self, chunks: Sequence[SeqChunk], pool: KVPool) -> Any:
+        return self._model.forward(chunks, pool, combine=self._combine)
+
+
+def build_rank(cfg: PDConfig, info: RankInfo, dist: Dist) -> tuple[Scheduler, KVLayout]:
+    """This rank's scheduler (model shard, pool shard, prefix cache) and its KV layout."""
+    e, m = cfg.engine, cfg.engine.model_config
+    heads = info.kv_heads(m.num_kv_heads)
+    model = Transformer(m, device=e.device, kv_heads=heads)
+    pool = KVPool(m.num_layers, m.num_kv_heads, m.head_dim, dtype_from_name(cfg.kv_dtype),
+                  e.kv_pages, e.page_size, device=model.device, kv_heads=heads)
+    cache = PrefixCache(pool, enabled=e.enable_prefix_cache and cfg.mode == "prefill")
+    sched = Scheduler(ShardedModel(model, dist.combine()), cache,  # type: ignore[arg-type]
+                      max_batch_tokens=e.max_batch_tokens, max_running=e.max_running)
+    layout = KVLayout.for_tp(num_layers=m.num_layers, num_heads=m.num_kv_heads,
+                             head_dim=m.head_dim, page_size=e.page_size, dtype=cfg.kv_dtype,
+                             tp_rank=info.tp_rank, tp_size=info.tp_size)
+    return sched, layout
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    host: str
+    port: int
+    room: int
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def bootstrap_fields(body: dict[str, Any]) -> Bootstrap:
+    """The router-injected ``bootstrap_host``/``bootstrap_port``/``bootstrap_room``; 400 naming
+    the missing or bad one otherwise."""
+    host, port, room = (body.get(k) for k in ("bootstrap_host", "bootstrap_port",
+                                              "bootstrap_room"))
+    missing = [k for k, v in (("bootstrap_host", host), ("bootstrap_port", port),
+                              ("bootstrap_room", room)) if v is None]
+    if missing:
+        raise BadRequest(missing[0], f"missing ({', '.join(missing)} absent): this worker "
+                         f"serves one half of a disaggregated pair; {ROUTER_HINT}")
+    if isinstance(room, list) or isinstance(host, list) or isinstance(port, list):
+        raise BadRequest("bootstrap_room", "batched PD requests are not supported; send one "
+                         "prompt per request")
+    if not isinstance(host, str) or not host:
+        raise BadRequest("bootstrap_host", "must be a non-empty string")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise BadRequest("bootstrap_port", f"must be an integer in 1..65535, got {port!r}")
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 < room <= MAX_ROOM:
+        raise BadRequest("bootstrap_room", f"must be an integer in [1, 2^63-1], got {room!r}")
+    return Bootstrap(host, port, room)
+
+
+def json_error(status: int, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": message, **extra}, status=status)

@@ -1,0 +1,134 @@
+"""Configuration of a prefill or decode instance (``kvatlas engine serve --mode prefill|decode``):
+the engine worker's settings plus ranks, bootstrap, transfer and etcd."""
+from __future__ import annotations
+
+import argparse
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from bootstrap.config import DEFAULT_PORT
+from engine.serve_config import EngineServerConfig
+from index.etcd import EtcdSettings
+from index.keys import validate_instance_id
+from transfer import BACKENDS, TransferConfig
+from transfer.layout import DTYPES
+
+LOAD_BALANCE = ("follow_bootstrap_room", "round_robin")
+_ADDR = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+
+
+@dataclass
+class PDConfig:
+    """One prefill or decode instance; ``engine.mode`` says which."""
+
+    engine: EngineServerConfig
+    """Model, KV pool, scheduler and HTTP settings (shared with the monolithic worker)."""
+    tp: int = 1
+    """Tensor-parallel ranks (one process each); KV heads are split across them."""
+    dp: int = 1
+    """Data-parallel groups (prefill only); each has its own ranks, pool and prefix cache."""
+    instance_id: str | None = None
+    """Instance id in etcd and the bootstrap table (default: a generated one)."""
+    bootstrap_port: int = DEFAULT_PORT
+    """Prefill: the bootstrap server's port (on world rank 0); 0 picks a free one."""
+    load_balance_method: str = "follow_bootstrap_room"
+    """Prefill DP choice per request: ``follow_bootstrap_room`` (room % dp, as the decode
+    computes it) or ``round_robin`` (announced with ``/register_dp_rank``)."""
+    kv_cache_dtype: str = "auto"
+    """KV pool dtype; ``auto`` is the model dtype. Decode and prefill must agree."""
+    transfer_backend: str = "zmq"
+    """KV transfer backend (``zmq``; ``cuda_ipc`` on one GPU host)."""
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    """Transfer timeouts and the heartbeat (interval, misses)."""
+    etcd: EtcdSettings | None = None
+    """Register the instance (and, on a prefill, its prefix-cache blocks) in etcd."""
+    etcd_prefix: str = "/kvatlas"
+    """etcd key prefix."""
+    lease_ttl: int = 10
+    """TTL of the instance lease."""
+    nnodes: int = 1
+    """Nodes the instance's ranks span (simulated on one machine by several launches)."""
+    node_rank: int = 0
+    """This node's index; node 0 runs world rank 0 (HTTP and bootstrap)."""
+    dist_init_addr: str | None = None
+    """HOST:PORT of torch.distributed's rendezvous (default: a free loopback port, one node)."""
+    room_log_keep: int = 4096
+    """Decode: finished rooms kept for ``/debug/rooms/{room}``."""
+    room_log_ttl_s: float = 600.0
+    """Decode: seconds a finished room stays readable."""
+
+    def __post_init__(self) -> None:
+        if self.engine.mode not in ("prefill", "decode"):
+            raise ValueError(f"PDConfig is for --mode prefill or decode, not {self.engine.mode!r}")
+        if self.tp < 1 or self.dp < 1 or self.nnodes < 1:
+            raise ValueError("--tp, --dp and --nnodes must be >= 1")
+        if self.engine.mode == "decode" and self.dp != 1:
+            raise ValueError("--dp applies to prefill instances; run more decode instances "
+                             "instead")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} outside --nnodes {self.nnodes}")
+        if (self.tp * self.dp) % self.nnodes:
+            raise ValueError(f"tp*dp = {self.tp * self.dp} ranks cannot be split over "
+                             f"--nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
+        if self.dist_init_addr and not _ADDR.match(self.dist_init_addr):
+            raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        kv_heads = self.engine.model_config.num_kv_heads
+        if kv_heads % self.tp:
+            raise ValueError(f"model {self.engine.model} has {kv_heads} KV heads, which --tp "
+                             f"{self.tp} does not divide")
+        if self.load_balance_method not in LOAD_BALANCE:
+            raise ValueError(f"--load-balance-method must be one of {LOAD_BALANCE}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be auto or one of {sorted(DTYPES)}")
+        if self.transfer_backend not in BACKENDS or self.transfer_backend == "fake":
+            raise ValueError(f"--transfer-backend must be zmq or cuda_ipc")
+        if not 0 <= self.bootstrap_port < 65536:
+            raise ValueError(f"--bootstrap-port must be in 0..65535, got {self.bootstrap_port}")
+        if self.instance_id is None:
+            self.instance_id = f"{self.engine.mode}-{uuid.uuid4().hex[:8]}"
+        validate_instance_id(self.instance_id)
+
+    @property
+    def mode(self) -> str:
+        return self.engine.mode
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.engine.model_config.dtype if self.kv_cache_dtype == "auto" \
+            else self.kv_cache_dtype
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("prefill/decode")
+        g.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
+        g.add_argument("--dp", type=int, default=1, help="data-parallel groups (prefill)")
+        g.add_argument("--instance-id", default=None, help="instance id (etcd, bootstrap)")
+        g.add_argument("--bootstrap-port", type=int, default=DEFAULT_PORT,
+                       help="prefill: bootstrap server port")
+        g.add_argument("--load-balance-method", default="follow_bootstrap_room",
+                       choices=LOAD_BALANCE, help="prefill DP choice per request")
+        g.add_argument("--kv-cache-dtype", default="auto", help="KV pool dtype (auto: model's)")
+        g.add_argument("--transfer-backend", default="zmq", choices=["zmq", "cuda_ipc"])
+        g.add_argument("--lease-ttl", type=int, default=10, help="etcd instance lease TTL")
+        g.add_argument("--nnodes", type=int, default=1, help="nodes of this instance")
+        g.add_argument("--node-rank", type=int, default=0, help="this node's index")
+        g.add_argument("--dist-init-addr", default=None, help="torch.distributed HOST:PORT")
+        TransferConfig.add_cli_args(parser)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, engine: EngineServerConfig,
+                      etcd: EtcdSettings | None) -> PDConfig:
+        return cls(engine=engine, tp=args.tp, dp=args.dp, instance_id=args.instance_id,
+                   bootstrap_port=args.bootstrap_port,
+                   load_balance_method=args.load_balance_method,
+                   kv_cache_dtype=args.kv_cache_dtype, transfer_backend=args.transfer_backend,
+                   transfer=TransferConfig.from_cli_args(args), etcd=etcd,
+                   etcd_prefix=args.etcd_prefix, lease_ttl=args.lease_ttl, nnodes=args.nnodes,
+                   node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)

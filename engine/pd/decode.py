@@ -1,0 +1,321 @@
+"""The decode instance's leader: takes PD requests, fetches their KV from the prefill named by
+``bootstrap_host``/``bootstrap_port``/``bootstrap_room``, validates it, generates and streams.
+
+Per room it records the furthest stage reached (``engine.pd.rooms``), readable at
+``GET /debug/rooms/{room}``. Pages are reserved on every TP rank (replicated scheduler call) before
+the transfer and given back on any failure, so a failed or abandoned transfer leaves the pool as
+it was. A heartbeat per prefill instance (its bootstrap ``/health`` plus a data-plane ping of each
+connected rank) fails that prefill's in-flight rooms after ``heartbeat_max_misses`` misses.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from bootstrap.client import BootstrapClient
+from engine import server as mono
+from engine.errors import BadRequest
+from engine.http_common import (STATE_KEY, EngineState, error_middleware, read_body, sse_response,
+                                sse_send, state)
+from engine.metrics import make_registry
+from engine.pd.common import Bootstrap, bootstrap_fields, build_rank, json_error
+from engine.pd.config import PDConfig
+from engine.pd.fetch import DecodeRank, FetchError
+from engine.pd.prefill import CFG_KEY, RANKS_KEY, RankContext
+from engine.pd.registration_decode import DecodeRecord
+from engine.pd.replica import ReplicatedScheduler
+from engine.pd.rooms import RoomLog, RoomRecord
+from engine.pd.uplink import UplinkServer
+from engine.protocol import parse_generate
+from engine.runner import AsyncEngine
+from engine.scheduler import Request
+from transfer import HeartbeatMonitor, ReceiveResult, create_receiver
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeState:
+    cfg: PDConfig
+    ranks: RankContext
+    engine: AsyncEngine
+    replica: ReplicatedScheduler
+    rank: DecodeRank
+    uplink: UplinkServer | None
+    rooms: RoomLog
+    monitors: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    stats: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0})
+
+
+DECODE_KEY = web.AppKey("pd_decode", DecodeState)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    ds = request.app[DECODE_KEY]
+    body = await read_body(request)
+    boot = bootstrap_fields(body)
+    inputs, batch, stream = parse_generate(body, state(request).model)
+    if batch:
+        raise BadRequest("text", "a PD request carries one prompt (one bootstrap_room)")
+    gi = inputs[0]
+    ds.engine.scheduler.check_fits(len(gi.prompt), gi.params.max_new_tokens)
+    if ds.rooms.get(boot.room) is not None:
+        raise BadRequest("bootstrap_room", f"room {boot.room} was already used on this decode; "
+                         "the router must draw a new room for every attempt")
+    rid = gi.rid or uuid.uuid4().hex
+    rec = ds.rooms.open(boot.room, rid, boot.addr)
+    try:
+        return await serve_room(request, ds, gi, rid, boot, rec, stream)
+    finally:
+        if rec.state == "in_flight":  # cancelled (the client left) before an outcome
+            ds.rooms.close(rec, error={"stage": rec.stage, "rank": ds.rank.rank,
+                                       "reason": "the request was cancelled"})
+
+
+async def serve_room(request: web.Request, ds: DecodeState, gi: Any, rid: str, boot: Bootstrap,
+                     rec: RoomRecord, stream: bool) -> web.StreamResponse:
+    started = time.monotonic()
+    pages = await reserve(ds, len(gi.prompt), gi.params.max_new_tokens, rec)
+    if pages is None:
+        ds.rooms.close(rec, error={"stage": "registered", "rank": ds.rank.rank,
+                                   "reason": "no free KV pages"})
+        return json_error(503, f"room {boot.room}: no free KV pages within "
+                               f"{ds.cfg.transfer.waiting_timeout_s} s", room=boot.room)
+    # the prefill sends the prompt's pages; the rest of the reservation is for the output
+    prompt_pages = pages[:-(-len(gi.prompt) // ds.cfg.engine.page_size)]
+    try:
+        result = await fetch_all_ranks(ds, boot, prompt_pages, rec)
+    except FetchError as exc:
+        ds.stats["failed"] += 1
+        await release(ds, boot, pages, exc.reason)
+        ds.rooms.close(rec, error=exc.doc())
+        return json_error(502, str(exc), room=boot.room, stage=exc.stage, rank=exc.rank,
+                          peer=exc.peer)
+    except BaseException:  # cancelled (client left): the pages go back, the prefill is told
+        await asyncio.shield(release(ds, boot, pages, "the decode request was cancelled"))
+        raise
+    req = Request(rid, list(gi.prompt), gi.params)
+    req.cached_tokens = result.cached_tokens
+    rec.reach("consumed")
+    ds.stats["ok"] += 1
+    try:
+        if stream:
+            resp = await stream_out(request, ds, req, pages, result, started)
+        else:
+            resp = await collect_out(ds, req, pages, result, started)
+        ds.rooms.close(rec)
+        return resp
+    finally:
+        # whoever owns the reservation now (the scheduler, or still this request) frees it
+        await asyncio.shield(ds.engine.call(ds.replica.settle_reservation, rid, pages))
+
+
+async def reserve(ds: DecodeState, prompt_len: int, max_new: int, rec: RoomRecord
+                  ) -> list[int] | None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ds.cfg.transfer.waiting_timeout_s
+    while True:
+        pages = await ds.engine.call(ds.replica.reserve, prompt_len, max_new)
+        if pages is not None:
+            rec.ranks["pages"] = len(pages)  # type: ignore[arg-type]
+            return pages  # type: ignore[return-value]
+        if loop.time() > deadline:
+            return None
+        await asyncio.sleep(0.005)
+
+
+async def release(ds: DecodeState, boot: Bootstrap, pages: list[int], reason: str) -> None:
+    if ds.ranks.info.tp_size > 1:
+        await ds.engine.call(ds.replica.transfer, ("abort", boot.room, reason))
+    await ds.engine.call(ds.replica.release_reserved, pages)
+
+
+async def fetch_all_ranks(ds: DecodeState, boot: Bootstrap, pages: list[int],
+                          rec: RoomRecord) -> ReceiveResult:
+    tp = ds.ranks.info.tp_size
+    ensure_monitor(ds, boot)
+    if tp > 1:
+        await ds.engine.call(ds.replica.transfer, ("receive", boot.host, boot.port, boot.room,
+                                                   pages))
+    result = await ds.rank.fetch(boot, pages, lambda stage, info: rec.reach(stage, **info))
+    if tp > 1 and ds.uplink is not None:
+        timeout = ds.cfg.transfer.waiting_timeout_s + 30
+        reports = await ds.uplink.wait("receive", boot.room, tp - 1, timeout)
+        for rep in sorted(reports, key=lambda r: r["rank"]):
+            if not rep["ok"]:
+                raise FetchError(boot.room, rep.get("stage") or "verified", f"tp{rep['rank']}",
+                                 rep["error"], rep.get("peer"))
+            if rep.get("first_token") != result.first_token:
+                raise FetchError(boot.room, "verified", f"tp{rep['rank']}",
+                                 f"first token {rep.get('first_token')} differs from rank 0's "
+                                 f"{result.first_token}")
+        if len(reports) < tp - 1:
+            raise FetchError(boot.room, "verified", "tp?", f"only {len(reports)} of {tp - 1} "
+                             "other decode ranks reported within the waiting timeout")
+        rec.reach("verified", ranks_verified=tp)
+    return result
+
+
+def ensure_monitor(ds: DecodeState, boot: Bootstrap) -> None:
+    addr = boot.addr
+    task = ds.monitors.get(addr)
+    if task is not None and not task.done():
+        return
+    client, receiver, cfg = ds.rank.client, ds.rank.receiver, ds.cfg.transfer
+
+    async def probe() -> bool:
+        if not await client.health(boot.host, boot.port):
+            return False
+        eps = list(ds.rank.endpoints.get(addr, ()))
+        pings = await asyncio.gather(*(receiver.ping(ep, cfg.heartbeat_interval_s) for ep in eps))
+        return all(pings)
+
+    async def dead(reason: str) -> None:
+        rooms = ds.rank.fail_prefill(addr, f"prefill {addr} declared dead: {reason}")
+        log.warning("prefill %s declared dead (%s); failed rooms %s", addr, reason, rooms)
+        if ds.ranks.info.tp_size > 1:
+            await ds.engine.call(ds.replica.transfer, ("fail_prefill", addr, reason))
+
+    mon = HeartbeatMonitor(addr, probe, dead, cfg)
+    ds.monitors[addr] = asyncio.create_task(mon.run(), name=f"heartbeat-{addr}")
+
+
+def meta(rid: str, out: Any, started: float, room: int) -> dict[str, Any]:
+    return {**mono.meta_info(rid, out, started), "bootstrap_room": room}
+
+
+async def collect_out(ds: DecodeState, req: Request, pages: list[int], result: ReceiveResult,
+                      started: float) -> web.Response:
+    ids: list[int] = []
+    text = ""
+    last = None
+    async with contextlib.aclosing(ds.engine.generate_prefilled(req, pages, result.first_token)
+                                   ) as gen:
+        async for out in gen:
+            ids.extend(out.new_ids)
+            text += out.text_delta
+            last = out
+    assert last is not None
+    if last.error:
+        return json_error(500, last.error, room=result.room)
+    return web.json_response({"text": text, "output_ids": ids,
+                              "meta_info": meta(req.rid, last, started, result.room)})
+
+
+async def stream_out(request: web.Request, ds: DecodeState, req: Request, pages: list[int],
+                     result: ReceiveResult, started: float) -> web.StreamResponse:
+    resp = await sse_response(request)
+    ids: list[int] = []
+    text = ""
+    async with contextlib.aclosing(ds.engine.generate_prefilled(req, pages, result.first_token)
+                                   ) as gen:
+        async for out in gen:
+            ids.extend(out.new_ids)
+            text += out.text_delta
+            if out.error:
+                await sse_send(resp, {"error": out.error})
+                break
+            await sse_send(resp, {"text": text, "output_ids": list(ids),
+                                  "meta_info": meta(req.rid, out, started, result.room)})
+    await sse_send(resp, "[DONE]")
+    await resp.write_eof()
+    return resp
+
+
+async def room_get(request: web.Request) -> web.Response:
+    ds = request.app[DECODE_KEY]
+    raw = request.match_info["room"]
+    if not raw.isdigit():
+        return json_error(400, f"room must be a non-negative integer, got {raw!r}")
+    rec = ds.rooms.get(int(raw))
+    if rec is None:
+        return json_error(404, f"room {raw} is unknown here (never seen, or its record expired "
+                               f"after {ds.rooms.ttl_s:g} s / {ds.rooms.keep} rooms)")
+    return web.json_response(rec.doc())
+
+
+async def stats_get(request: web.Request) -> web.Response:
+    ds = request.app[DECODE_KEY]
+    sched = ds.replica
+    return web.json_response({
+        "rank": ds.ranks.info.name, **ds.stats, "rooms": ds.rooms.counts(),
+        "receiver": ds.rank.receiver.stats,  # type: ignore[attr-defined]
+        "kv_pages_free": sched.pool.num_free, "kv_pages_total": sched.pool.num_pages,
+        "running": len(sched.running), "monitors": sorted(ds.monitors)})
+
+
+# -- lifecycle --------------------------------------------------------------------------------
+async def decode_ctx(app: web.Application) -> AsyncIterator[None]:
+    cfg, ranks = app[CFG_KEY], app[RANKS_KEY]
+    info, dist = ranks.info, ranks.dist
+    assert dist is not None
+    loop = asyncio.get_running_loop()
+    sched, layout = await loop.run_in_executor(None, build_rank, cfg, info, dist)
+    replica = ReplicatedScheduler(sched, dist)
+    uplink = None
+    if info.tp_size > 1:
+        uplink = UplinkServer(cfg.engine.host)
+        await uplink.start()
+        dist.group_broadcast(uplink.address)
+    receiver = create_receiver(cfg.transfer_backend, cfg.transfer, layout, sched.pool.kv)
+    await receiver.start()
+    client = BootstrapClient()
+    await client.start()
+    engine = AsyncEngine(replica)  # type: ignore[arg-type]
+    ds = DecodeState(cfg, ranks, engine, replica, DecodeRank(cfg, info, receiver, client),
+                     uplink, RoomLog(cfg.room_log_keep, cfg.room_log_ttl_s))
+    app[DECODE_KEY] = ds
+    record = DecodeRecord(cfg, info) if cfg.etcd is not None else None
+    with tempfile.TemporaryDirectory(prefix="kvatlas-decode-") as run_dir:
+        model_path = mono.prepare_model_path(cfg.engine, cfg.engine.model_config, run_dir)
+        app[STATE_KEY] = EngineState(cfg.engine, cfg.engine.model_config, engine,
+                                     make_registry(engine, cfg.engine.model_name), model_path,
+                                     time.time())
+        await engine.start()
+        if record is not None:
+            await record.start()
+        log.info("decode %s rank %s ready", cfg.instance_id, info.name)
+        try:
+            yield
+        finally:
+            if record is not None:
+                await record.close()
+            for task in ds.monitors.values():
+                task.cancel()
+            await asyncio.gather(*ds.monitors.values(), return_exceptions=True)
+            await receiver.close()
+            with contextlib.suppress(RuntimeError):
+                await engine.call(replica.stop)
+            await engine.stop()
+            await client.close()
+            if uplink is not None:
+                await uplink.close()
+
+
+def create_decode_app(cfg: PDConfig, ranks: RankContext | None = None) -> web.Application:
+    app = web.Application(middlewares=[error_middleware],
+                          client_max_size=cfg.engine.max_request_bytes)
+    app[CFG_KEY] = cfg
+    app[RANKS_KEY] = ranks or RankContext()
+    app.cleanup_ctx.append(decode_ctx)
+    r = app.router
+    r.add_post("/generate", generate)
+    for path in ("/health", "/liveness", "/readiness"):
+        r.add_get(path, mono.health)
+    for path in ("/server_info", "/get_server_info"):
+        r.add_get(path, mono.get_server_info)
+    for path in ("/model_info", "/get_model_info"):
+        r.add_get(path, mono.get_model_info)
+    r.add_get("/metrics", mono.metrics)
+    r.add_get("/debug/rooms/{room}", room_get)
+    r.add_get("/debug/pd", stats_get)
+    return app

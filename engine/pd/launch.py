@@ -1,0 +1,171 @@
+"""Start a prefill or decode instance: one process per rank on this node.
+
+The launching process runs this node's first rank and spawns the others (``spawn`` start method,
+each dies with its parent). Every rank joins torch.distributed (gloo); world rank 0 broadcasts
+the bootstrap server's address before any rank registers (multi-node: ranks on other nodes would
+otherwise PUT to the wrong port), then the DP group leaders' HTTP ports are exchanged so that
+world rank 0 can forward requests to the group that serves them.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from aiohttp import web
+
+from bootstrap.client import BootstrapClient
+from engine.pd.common import Bootstrap, build_rank
+from engine.pd.config import PDConfig
+from engine.pd.dist import Dist, RankInfo, die_with_parent, local_world_ranks
+from engine.pd.fetch import DecodeRank, FetchError
+from engine.pd.registration import put_route, route_body
+from engine.pd.replica import follow, loop_handoff
+from engine.pd.uplink import UplinkClient
+from transfer import TensorPageSource, TransferError, create_receiver, create_sender
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def serve(cfg: PDConfig) -> None:
+    """Run this node's ranks until interrupted (blocking; used by the CLI)."""
+    world = cfg.world_size
+    local = local_world_ranks(world, cfg.nnodes, cfg.node_rank)
+    init_addr = cfg.dist_init_addr
+    if world > 1 and init_addr is None:
+        init_addr = f"127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    children = [ctx.Process(target=_child, args=(cfg, r, init_addr), name=f"kvatlas-rank{r}")
+                for r in local[1:]]
+    for p in children:
+        p.start()
+    try:
+        run_rank(cfg, local[0], init_addr)
+    finally:
+        for p in children:
+            if p.is_alive():
+                p.terminate()
+        for p in children:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def _child(cfg: PDConfig, world_rank: int, init_addr: str | None) -> None:
+    die_with_parent()
+    logging.basicConfig(level=os.environ.get("KVATLAS_LOG_LEVEL", "WARNING"),
+                        format=f"%(asctime)s rank{world_rank} %(levelname)s %(name)s: %(message)s")
+    run_rank(cfg, world_rank, init_addr)
+
+
+def run_rank(cfg: PDConfig, world_rank: int, init_addr: str | None) -> None:
+    import torch
+
+    if cfg.engine.torch_threads is not None:
+        torch.set_num_threads(cfg.engine.torch_threads)
+    info = RankInfo(world_rank, cfg.world_size, cfg.tp, cfg.dp, cfg.nnodes, cfg.node_rank)
+    dist = Dist(info, init_addr)
+    try:
+        host = cfg.engine.host
+        # KV events of DP groups 1.. flow to world rank 0's index writer (it binds, they connect)
+        events = [None] + [f"tcp://{host}:{free_port(host)}" for _ in range(1, cfg.dp)] \
+            if world_rank == 0 and cfg.mode == "prefill" and cfg.etcd is not None else None
+        boot_host, bport, events = dist.world_broadcast(
+            (host, cfg.bootstrap_port or free_port(host), events))
+        port = replay = None
+        if info.is_leader:
+            port = cfg.engine.port if world_rank == 0 else free_port(host)
+            if events and info.dp_rank > 0:
+                replay = f"tcp://{host}:{free_port(host)}"
+        ports = dist.world_gather((host, port, replay))
+        dp_urls = [f"http://{ports[d * cfg.tp][0]}:{ports[d * cfg.tp][1]}"
+                   for d in range(cfg.dp)]
+        replays = [ports[d * cfg.tp][2] for d in range(cfg.dp)]
+        if info.is_leader:
+            from engine.pd.prefill import RankContext
+
+            mine = replace(cfg, engine=replace(cfg.engine, port=port), bootstrap_port=bport)
+            ranks = RankContext(info, dist, bport, dp_urls, events or [], replays)
+            if cfg.mode == "prefill":
+                from engine.pd.prefill import create_prefill_app as make
+            else:
+                from engine.pd.decode import create_decode_app as make
+            # handler_cancellation: a client that hangs up aborts its request and frees its pages
+            web.run_app(make(mine, ranks), host=cfg.engine.host, port=port, print=None,
+                        access_log=None, handler_cancellation=True)
+        else:
+            asyncio.run(follower_main(cfg, info, dist, Bootstrap(boot_host, bport, 1)))
+    finally:
+        dist.close()
+
+
+async def follower_main(cfg: PDConfig, info: RankInfo, dist: Dist, boot: Bootstrap) -> None:
+    loop = asyncio.get_running_loop()
+    sched, layout = await loop.run_in_executor(None, build_rank, cfg, info, dist)
+    uplink = UplinkClient(dist.group_broadcast(None), info.tp_rank)
+    closers: list[Any] = []
+    if cfg.mode == "prefill":
+        sender = create_sender(cfg.transfer_backend, cfg.transfer, layout,
+                               TensorPageSource(sched.pool.kv, layout), host=cfg.engine.host)
+        await sender.start()
+        closers.append(sender.close)
+        rank_ip, rank_port = sender.rank_address
+        await put_route(f"http://{boot.addr}", route_body(cfg, info, rank_ip, rank_port))
+
+        async def on_op(op: tuple[Any, ...]) -> None:
+            if op[0] != "send":
+                return
+            _, room, pages, first, cached = op
+            try:
+                sender.create(room)
+                await sender.send(room, pages, first_token=first, cached_tokens=cached)
+                await uplink.report("send", room, True)
+            except TransferError as exc:
+                await uplink.report("send", room, False, str(exc))
+    else:
+        receiver = create_receiver(cfg.transfer_backend, cfg.transfer, layout, sched.pool.kv)
+        await receiver.start()
+        client = BootstrapClient()
+        await client.start()
+        closers += [receiver.close, client.close]
+        rank = DecodeRank(cfg, info, receiver, client)
+        aborted: dict[int, str] = {}
+
+        async def on_op(op: tuple[Any, ...]) -> None:
+            kind = op[0]
+            if kind == "receive":
+                _, host, port, room, pages = op
+                try:
+                    res = await rank.fetch(Bootstrap(host, port, room), pages,
+                                           guard=lambda: aborted.pop(room, None))
+                    await uplink.report("receive", room, True, first_token=res.first_token)
+                except FetchError as exc:
+                    await uplink.report("receive", room, False, exc.reason, stage=exc.stage,
+                                        peer=exc.peer)
+            elif kind == "abort":
+                _, room, reason = op
+                if receiver.poll(room) is None:
+                    aborted[room] = reason
+                receiver.abort(room, reason)
+            elif kind == "fail_prefill":
+                rank.fail_prefill(op[1], op[2])
+
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    try:
+        await loop.run_in_executor(executor, follow, sched, dist, loop_handoff(loop, on_op))
+    finally:
+        executor.shutdown(wait=False)
+        for close in closers:
+            await close()
+        uplink.close()

@@ -1,0 +1,334 @@
+"""The prefill instance's leader (HTTP, bootstrap server, index writer) and its follower ranks.
+
+A PD ``/generate`` (the router sends the same body to prefill and decode at once) runs the prompt
+with ``max_new_tokens=1`` and ``hold_pages``, so its pages stay pinned, sends the pages of every
+TP rank plus the first token and cached-token count to the decode ranks that asked for the room,
+and only then gives the pages back. It answers once the KV is sent; the router ignores that body.
+With ``--dp`` > 1, world rank 0 picks the DP group (``room % dp`` or round robin announced with
+``/register_dp_rank``) and forwards the request to that group's leader.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from bootstrap.client import BootstrapClient
+from bootstrap.config import BootstrapConfig
+from bootstrap.server import STATE as BOOTSTRAP_STATE
+from bootstrap.server import create_app as create_bootstrap_app
+from engine import server as mono
+from engine.errors import BadRequest, CapacityError
+from engine.http_common import STATE_KEY, EngineState, error_middleware, read_body, state
+from engine.metrics import make_registry
+from engine.pd.common import Bootstrap, bootstrap_fields, build_rank, json_error
+from engine.pd.config import PDConfig
+from engine.pd.dist import Dist, RankInfo
+from engine.pd.registration import EventFeed, put_route, route_body
+from engine.pd.replica import ReplicatedScheduler
+from engine.pd.uplink import UplinkServer
+from engine.protocol import parse_generate
+from engine.runner import AsyncEngine
+from engine.pd.dp_index import DPUnion
+from index.agent import WriterIndex
+from index.events.publisher import KVEventPublisher, PublisherConfig
+from index.events.subscriber import KVEventSubscriber, SubscriberConfig
+from index.events.ingest import InstanceIngestor
+from index.keys import KeyLayout
+from index.writer import BlockWriter
+from transfer import KVSender, TensorPageSource, TransferError, create_sender
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankContext:
+    """Where this leader sits in its instance (a one-rank instance by default)."""
+
+    info: RankInfo = field(default_factory=lambda: RankInfo(0, 1, 1, 1))
+    dist: Dist | None = None
+    bootstrap_port: int | None = None
+    """The instance's bootstrap port as world rank 0 broadcast it."""
+    dp_urls: list[str] = field(default_factory=list)
+    """HTTP base URL of every DP group's leader (index = dp rank), for world rank 0."""
+    event_endpoints: list[str | None] = field(default_factory=list)
+    """Per DP rank: where that group's KV events go (world rank 0 binds; empty: not indexed)."""
+    replay_endpoints: list[str | None] = field(default_factory=list)
+    """Per DP rank: that group's KV-event replay endpoint."""
+
+    def __post_init__(self) -> None:
+        if self.dist is None:
+            self.dist = Dist(self.info, None)
+
+
+@dataclass
+class PrefillState:
+    cfg: PDConfig
+    ranks: RankContext
+    engine: AsyncEngine
+    replica: ReplicatedScheduler
+    sender: KVSender
+    uplink: UplinkServer | None
+    session: aiohttp.ClientSession
+    writer: BlockWriter | None = None
+    bootstrap: BootstrapClient | None = None
+    rr: Any = field(default_factory=lambda: itertools.count())
+    stats: dict[str, int] = field(default_factory=lambda: {"sent": 0, "failed": 0,
+                                                           "forwarded": 0})
+
+
+PREFILL_KEY = web.AppKey("pd_prefill", PrefillState)
+CFG_KEY = web.AppKey("pd_config", PDConfig)
+RANKS_KEY = web.AppKey("pd_ranks", RankContext)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    ps = request.app[PREFILL_KEY]
+    body = await read_body(request)
+    boot = bootstrap_fields(body)
+    inputs, batch, _ = parse_generate(body, state(request).model)
+    if batch:
+        raise BadRequest("text", "a PD request carries one prompt (one bootstrap_room)")
+    info = ps.ranks.info
+    if info.world_rank == 0 and info.dp_size > 1:
+        dp = await choose_dp(ps, boot)
+        if dp != 0:
+            return await forward(ps, dp, body)
+    gi = inputs[0]
+    ps.engine.scheduler.check_fits(len(gi.prompt), 1)  # a prefill keeps the prompt's KV only
+    return await prefill_one(ps, gi.prompt, gi.params, gi.rid or uuid.uuid4().hex, boot)
+
+
+async def choose_dp(ps: PrefillState, boot: Bootstrap) -> int:
+    dp_size = ps.ranks.info.dp_size
+    if ps.cfg.load_balance_method == "follow_bootstrap_room":
+        return boot.room % dp_size
+    dp = next(ps.rr) % dp_size
+    assert ps.bootstrap is not None and ps.ranks.bootstrap_port is not None
+    await ps.bootstrap.register_dp_rank(ps.cfg.engine.host, ps.ranks.bootstrap_port, boot.room, dp)
+    return dp
+
+
+async def forward(ps: PrefillState, dp: int, body: dict[str, Any]) -> web.Response:
+    ps.stats["forwarded"] += 1
+    async with ps.session.post(f"{ps.ranks.dp_urls[dp]}/generate", json=body) as resp:
+        return web.Response(body=await resp.read(), status=resp.status,
+                            content_type="application/json")
+
+
+async def prefill_one(ps: PrefillState, prompt: list[int], params: Any, rid: str,
+                      boot: Bootstrap) -> web.Response:
+    room, engine = boot.room, ps.engine
+    try:
+        ps.sender.create(room)
+    except TransferError as exc:
+        raise BadRequest("bootstrap_room", exc.reason) from None
+    started = time.monotonic()
+    last = None
+    try:
+        async with contextlib.aclosing(engine.generate(
+                prompt, replace(params, max_new_tokens=1), rid, hold_pages=True)) as gen:
+            async for out in gen:
+                last = out
+    except (CapacityError, BadRequest) as exc:
+        ps.sender.abort(room, str(exc))
+        raise
+    except BaseException as exc:  # cancelled: the pages may already be held; give them back
+        ps.sender.abort(room, f"prefill did not finish: {type(exc).__name__}")
+        await asyncio.shield(engine.call(ps.replica.release_held, rid))
+        raise
+    if last is None or last.error or not last.new_ids:
+        reason = last.error if last is not None and last.error else "prefill produced no token"
+        ps.sender.abort(room, reason)
+        await engine.call(ps.replica.release_held, rid)
+        return json_error(500, f"prefill of room {room} failed: {reason}", room=room)
+    first, cached = last.new_ids[0], last.cached_tokens
+    try:
+        pages = await engine.call(lambda: list(ps.replica.held[rid]))
+        await send_all_ranks(ps, room, pages, first, cached)
+    except TransferError as exc:
+        ps.stats["failed"] += 1
+        return json_error(502, str(exc), room=room, stage=exc.stage.name if exc.stage else None)
+    finally:
+        await engine.call(ps.replica.release_held, rid)
+    ps.stats["sent"] += 1
+    return web.json_response({
+        "text": "", "output_ids": [first],
+        "meta_info": {"id": rid, "bootstrap_room": room, "prompt_tokens": len(prompt),
+                      "cached_tokens": cached, "completion_tokens": 1,
+                      "finish_reason": {"type": "kv_sent"},
+                      "e2e_latency": round(time.monotonic() - started, 6)}})
+
+
+async def send_all_ranks(ps: PrefillState, room: int, pages: list[int], first: int,
+                         cached: int) -> None:
+    """Send this rank's shard and have every other TP rank send its own; raise the first
+    failure (TransferError) after all ranks are done."""
+    tp = ps.ranks.info.tp_size
+    if tp > 1:
+        await ps.engine.call(ps.replica.transfer, ("send", room, pages, first, cached))
+    own = asyncio.ensure_future(ps.sender.send(room, pages, first_token=first,
+                                               cached_tokens=cached))
+    errors: list[TransferError] = []
+    try:
+        await own
+    except TransferError as exc:
+        errors.append(exc)
+    if tp > 1 and ps.uplink is not None:
+        timeout = ps.cfg.transfer.bootstrap_timeout_s + ps.cfg.transfer.waiting_timeout_s
+        reports = await ps.uplink.wait("send", room, tp - 1, timeout)
+        for rep in reports:
+            if not rep["ok"]:
+                errors.append(TransferError(room, f"prefill TP rank {rep['rank']}: "
+                                            f"{rep['error']}"))
+        if len(reports) < tp - 1:
+            errors.append(TransferError(room, f"only {len(reports)} of {tp - 1} other TP ranks "
+                                        "reported their send"))
+    if errors:
+        raise errors[0]
+
+
+async def stats_get(request: web.Request) -> web.Response:
+    ps = request.app[PREFILL_KEY]
+    doc: dict[str, Any] = {"rank": ps.ranks.info.name, **ps.stats, "sender": ps.sender.stats,
+                           "held": len(ps.replica.held)}
+    if ps.writer is not None:
+        doc["index_writer"] = ps.writer.stats()
+    return web.json_response(doc)
+
+
+# -- lifecycle --------------------------------------------------------------------------------
+async def prefill_ctx(app: web.Application) -> AsyncIterator[None]:
+    cfg, ranks = app[CFG_KEY], app[RANKS_KEY]
+    info, dist = ranks.info, ranks.dist
+    assert dist is not None
+    loop = asyncio.get_running_loop()
+    sched, layout = await loop.run_in_executor(None, build_rank, cfg, info, dist)
+    replica = ReplicatedScheduler(sched, dist)
+    uplink = None
+    if info.tp_size > 1:
+        uplink = UplinkServer(cfg.engine.host)
+        await uplink.start()
+        dist.group_broadcast(uplink.address)
+    sender = create_sender(cfg.transfer_backend, cfg.transfer, layout,
+                           TensorPageSource(sched.pool.kv, layout), host=cfg.engine.host)
+    await sender.start()
+    session = aiohttp.ClientSession()
+    bport = ranks.bootstrap_port or cfg.bootstrap_port
+    boot_runner = feed = writer = None
+    subs: list[KVEventSubscriber] = []
+    if info.world_rank == 0:
+        url = f"http://{cfg.engine.host}:{cfg.engine.port}"
+        bcfg = BootstrapConfig(instance_id=cfg.instance_id or "", model=cfg.engine.model_name,
+                               host=cfg.engine.host, port=bport, etcd=cfg.etcd,
+                               etcd_prefix=cfg.etcd_prefix, lease_ttl=cfg.lease_ttl,
+                               instance_fields={"url": url, "tp_size": info.tp_size,
+                                                "dp_size": info.dp_size})
+        bapp = create_bootstrap_app(bcfg)
+        boot_runner = web.AppRunner(bapp, access_log=None)
+        await boot_runner.setup()
+        await web.TCPSite(boot_runner, cfg.engine.host, bport).start()
+        mirror = bapp[BOOTSTRAP_STATE].mirror
+        if mirror is not None:
+            writer = BlockWriter(mirror.session, KeyLayout(prefix=cfg.etcd_prefix),
+                                 cfg.engine.model_name, bcfg.instance_id)
+            writer.start()
+            union = DPUnion(WriterIndex(writer))
+            feed = EventFeed(InstanceIngestor(union.view(0), bcfg.instance_id,
+                                              block_size=cfg.engine.page_size))
+            feed.start()
+            subs = await subscribe_dp_groups(cfg, ranks, union, bcfg.instance_id)
+    sink = feed.sink if feed else None
+    publisher = None
+    if info.dp_rank > 0 and len(ranks.event_endpoints) > info.dp_rank:
+        publisher = KVEventPublisher(PublisherConfig(
+            endpoint=ranks.event_endpoints[info.dp_rank] or "",
+            replay_endpoint=ranks.replay_endpoints[info.dp_rank]))
+        await publisher.start()
+        sink = publisher.drain
+    engine = AsyncEngine(replica, event_sink=sink)  # type: ignore[arg-type]
+    rank_ip, rank_port = sender.rank_address
+    http_port = int(ranks.dp_urls[0].rsplit(":", 1)[1]) if ranks.dp_urls else None
+    await put_route(f"http://{cfg.engine.host}:{bport}",
+                    route_body(cfg, info, rank_ip, rank_port, http_port))
+    bclient = BootstrapClient()
+    await bclient.start()
+    ps = PrefillState(cfg, ranks, engine, replica, sender, uplink, session, writer, bclient)
+    app[PREFILL_KEY] = ps
+    with tempfile.TemporaryDirectory(prefix="kvatlas-prefill-") as run_dir:
+        model_path = mono.prepare_model_path(cfg.engine, cfg.engine.model_config, run_dir)
+        app[STATE_KEY] = EngineState(cfg.engine, cfg.engine.model_config, engine,
+                                     make_registry(engine, cfg.engine.model_name), model_path,
+                                     time.time())
+        await engine.start()
+        log.info("prefill %s rank %s ready: KV sender %s, bootstrap %s:%d", cfg.instance_id,
+                 info.name, sender.endpoint, cfg.engine.host, bport)
+        try:
+            yield
+        finally:
+            await sender.close()
+            with contextlib.suppress(RuntimeError):
+                await engine.call(replica.stop)
+            await engine.stop()
+            if feed is not None:
+                await feed.close()
+            for sub in subs:
+                await sub.close()
+            if publisher is not None:
+                await publisher.close()
+            if writer is not None:
+                await writer.close()
+            if boot_runner is not None:
+                await boot_runner.cleanup()
+            if uplink is not None:
+                await uplink.close()
+            await bclient.close()
+            await session.close()
+
+
+async def subscribe_dp_groups(cfg: PDConfig, ranks: RankContext, union: DPUnion,
+                              instance_id: str) -> list[KVEventSubscriber]:
+    """World rank 0: index the other DP groups' prefix caches too (their KV events)."""
+    subs = []
+    for dp in range(1, len(ranks.event_endpoints)):
+        endpoint = ranks.event_endpoints[dp]
+        if endpoint is None:
+            continue
+        replay = ranks.replay_endpoints[dp] if dp < len(ranks.replay_endpoints) else None
+        ingestor = InstanceIngestor(union.view(dp), instance_id,
+                                    block_size=cfg.engine.page_size, replay=replay is not None)
+        sub = KVEventSubscriber(SubscriberConfig(endpoint=endpoint, replay_endpoint=replay),
+                                ingestor)
+        await sub.start()
+        subs.append(sub)
+    return subs
+
+
+def create_prefill_app(cfg: PDConfig, ranks: RankContext | None = None) -> web.Application:
+    app = web.Application(middlewares=[error_middleware],
+                          client_max_size=cfg.engine.max_request_bytes)
+    app[CFG_KEY] = cfg
+    app[RANKS_KEY] = ranks or RankContext()
+    app.cleanup_ctx.append(prefill_ctx)
+    r = app.router
+    r.add_post("/generate", generate)
+    for path in ("/health", "/liveness", "/readiness"):
+        r.add_get(path, mono.health)
+    for path in ("/server_info", "/get_server_info"):
+        r.add_get(path, mono.get_server_info)
+    for path in ("/model_info", "/get_model_info"):
+        r.add_get(path, mono.get_model_info)
+    r.add_get("/metrics", mono.metrics)
+    r.add_get("/debug/pd", stats_get)
+    r.add_post("/flush_cache", mono.flush_cache)
+    return app

@@ -1,0 +1,54 @@
+"""A decode instance's etcd record (role ``decode``, its HTTP url), kept under its own lease so
+that routers find it and drop it when the instance dies."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from engine.pd.config import PDConfig
+from engine.pd.dist import RankInfo
+from index.errors import EtcdError
+from index.etcd import EtcdClient
+from index.keys import KeyLayout, dumps
+from index.lease import LeaseSession
+from index.owned import LeasedKeys
+
+log = logging.getLogger(__name__)
+
+
+class DecodeRecord:
+    def __init__(self, cfg: PDConfig, info: RankInfo) -> None:
+        assert cfg.etcd is not None and cfg.instance_id is not None
+        self.layout = KeyLayout(prefix=cfg.etcd_prefix)
+        self.client = EtcdClient(cfg.etcd)
+        self.session = LeaseSession(self.client, cfg.lease_ttl)
+        self.keys = LeasedKeys(self.session, [])
+        e = cfg.engine
+        self.keys.set(self.layout.instance(cfg.instance_id), dumps({
+            "instance_id": cfg.instance_id, "role": "decode", "model": e.model_name,
+            "url": f"http://{e.host}:{e.port}", "tp_size": info.tp_size,
+            "page_size": e.page_size, "kv_cache_dtype": cfg.kv_dtype, "ready": True,
+            "started_at": time.time()}))
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        try:
+            await self.client.connect()
+        except EtcdError as exc:
+            log.warning("etcd not reachable at start, retrying: %s", exc)
+        self._tasks = [asyncio.create_task(self.session.run(), name="decode-lease"),
+                       asyncio.create_task(self.keys.run(), name="decode-record")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        try:
+            await asyncio.wait_for(self.session.revoke(), 3.0)
+        except (asyncio.TimeoutError, EtcdError):
+            log.warning("decode lease revoke failed; the record expires with the lease TTL")
+        await self.client.close()

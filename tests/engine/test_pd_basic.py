@@ -1,0 +1,108 @@
+"""One prefill and one decode (one rank each, in this process, real ZMQ and HTTP): PD output
+equals monolithic output, the prefill reuses its prefix cache, the decode streams and keeps
+per-room evidence, and requests without bootstrap fields are refused."""
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import pytest
+
+from engine_helpers import shared_prefix_prompts
+from pd_helpers import Pair, dual, monolithic, new_room, pair, pd_body  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_pd_equals_monolithic_with_prefix_reuse(pair: Pair) -> None:
+    prompts = shared_prefix_prompts(12, seed=5, n_bases=3, base_len=(30, 60))
+    max_new = [3 + i % 5 for i in range(len(prompts))]
+    want = monolithic(prompts, max_new)
+    async with aiohttp.ClientSession() as s:
+        got, cached = [], 0
+        for ids, n in zip(prompts, max_new):
+            (ps, pbody), (ds, dbody) = await dual(s, pair.p_url, pair.d_url,
+                                                  pd_body(ids, n, pair.bport))
+            assert ps == 200 and ds == 200, (pbody, dbody)
+            assert pbody["output_ids"] == dbody["output_ids"][:1]
+            cached += pbody["meta_info"]["cached_tokens"]
+            assert dbody["meta_info"]["cached_tokens"] == pbody["meta_info"]["cached_tokens"]
+            got.append(dbody["output_ids"])
+    assert got == want
+    assert cached > 0, "the prefill never reused its prefix cache"
+    assert pair.ds.replica.pool.num_free == pair.ds.replica.pool.num_pages
+    assert not pair.ps.replica.held
+
+
+async def test_stream_and_room_evidence(pair: Pair) -> None:
+    ids = [256, *b"streaming through the disaggregated pair"]
+    [want] = monolithic([ids], [6])
+    room = new_room()
+    async with aiohttp.ClientSession() as s:
+        (ps, _), (ds, raw) = await dual(s, pair.p_url, pair.d_url,
+                                        pd_body(ids, 6, pair.bport, room, stream=True))
+        assert ps == 200 and ds == 200
+        events = [b[len("data: "):] for b in raw.split("\n\n") if b]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert [len(c["output_ids"]) for c in chunks] == list(range(1, 7))
+        assert chunks[-1]["output_ids"] == want
+        async with s.get(f"{pair.d_url}/debug/rooms/{room}") as r:
+            doc = await r.json()
+        assert r.status == 200 and doc["state"] == "done" and doc["stage"] == "consumed"
+        assert [st["stage"] for st in doc["stages"]] == [
+            "registered", "resolved_topology", "resolved_ranks", "connected", "verified",
+            "consumed"]
+        assert doc["ranks"]["tp0_reads"] == [pair.ps.sender.endpoint]
+        async with s.get(f"{pair.d_url}/debug/rooms/{room + 1}") as r:
+            assert r.status == 404
+
+
+async def test_requests_without_bootstrap_fields_are_refused(pair: Pair) -> None:
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 2}}
+    async with aiohttp.ClientSession() as s:
+        for url in (pair.p_url, pair.d_url):
+            async with s.post(url + "/generate", json=body) as r:
+                assert r.status == 400
+                assert "send PD requests through the router" in (await r.json())["error"]
+            bad = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1,
+                   "bootstrap_room": "x"}
+            async with s.post(url + "/generate", json=bad) as r:
+                assert r.status == 400 and "bootstrap_room" in (await r.json())["error"]
+
+
+async def test_seeded_sampling_continues_the_prefills_stream(pair: Pair) -> None:
+    """The decode's generator skips the draw the prefill made for the first token, so seeded
+    sampling gives the monolithic engine's tokens too."""
+    from engine.runner import build_scheduler, run_to_completion
+    from engine.config import get_model_config
+    from engine.sampling import SamplingParams
+    from engine.scheduler import Request
+
+    ids = [256, *b"seeded sampling across the pair"]
+    sp = {"max_new_tokens": 12, "temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": 4242,
+          "ignore_eos": True}
+    sched = build_scheduler(get_model_config("tiny"), num_pages=64)
+    ref = run_to_completion(sched, [Request("r", ids, SamplingParams(
+        max_new_tokens=12, temperature=0.9, top_k=40, top_p=0.95, seed=4242, ignore_eos=True))])
+    async with aiohttp.ClientSession() as s:
+        body = {**pd_body(ids, 12, pair.bport), "sampling_params": sp}
+        (ps, _), (ds, dbody) = await dual(s, pair.p_url, pair.d_url, body)
+    assert (ps, ds) == (200, 200)
+    assert dbody["output_ids"] == ref["r"].output_ids
+
+
+def test_room_log_retention_is_bounded_by_count_and_age() -> None:
+    import time as _time
+
+    from engine.pd.rooms import RoomLog
+
+    log = RoomLog(keep=2, ttl_s=0.2)
+    recs = [log.open(r, f"rid{r}", "h:1") for r in (1, 2, 3)]
+    assert log.get(2) is recs[1] and log.counts()["in_flight"] == 3
+    for rec in recs:
+        log.close(rec, error={"stage": "verified"} if rec.room == 3 else None)
+    assert log.get(1) is None and log.get(2) is not None  # only the last two finished kept
+    assert log.counts() == {"in_flight": 0, "done": 1, "failed": 1}
+    _time.sleep(0.25)
+    assert log.get(3) is None and log.get(2) is None  # and only for ttl_s

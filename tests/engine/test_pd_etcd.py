@@ -1,0 +1,106 @@
+"""A prefill and a decode started with --etcd: the prefill's instance record (with its HTTP url)
+and rank table come from its bootstrap mirror, its prefix-cache blocks are indexed under the same
+lease, the decode registers its own record, and the router can parse both. Killing the prefill
+lets its lease expire and every key of it vanish."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from index.etcd import EtcdClient
+from index.hashing import BASE_SEED, block_hashes
+from index.keys import KeyLayout
+from pd_helpers import pd_body
+from pd_procs import Proc
+from router.workers import parse_instance_record
+
+pytestmark = pytest.mark.timeout(90)
+
+
+async def wait_for(pred, timeout: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await pred():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.2)
+
+
+async def test_prefill_and_decode_register_and_index(etcd_endpoint: str, key_prefix: str,
+                                                     etcd: EtcdClient) -> None:
+    layout = KeyLayout(prefix=key_prefix)
+    common = ("--etcd", etcd_endpoint, "--etcd-prefix", key_prefix, "--lease-ttl", "3")
+    prefill = Proc("prefill", *common, "--instance-id", "pre-a")
+    decode = Proc("decode", *common, "--instance-id", "dec-a")
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        ids = [256, *b"an indexed prompt, long enough for two full blocks of KV"]
+        async with aiohttp.ClientSession() as s:
+            body = pd_body(ids, 3, prefill.bport)
+            pr, dr = await asyncio.gather(s.post(prefill.url + "/generate", json=body),
+                                          s.post(decode.url + "/generate", json=body))
+            assert pr.status == 200 and dr.status == 200
+        want = block_hashes(ids, 16, BASE_SEED)
+        assert len(want) >= 2
+
+        async def indexed() -> bool:
+            _, kvs = await etcd.get_prefix(layout.blocks_prefix("tiny", "pre-a"))
+            return len(kvs) >= len(want)
+        await wait_for(indexed)
+        for h in want:
+            assert await etcd.get(layout.block("tiny", "pre-a", h)) is not None
+
+        pre = await etcd.get(layout.instance("pre-a"))
+        dec = await etcd.get(layout.instance("dec-a"))
+        assert pre is not None and dec is not None
+        prec = parse_instance_record("pre-a", pre.value)
+        decr = parse_instance_record("dec-a", dec.value)
+        assert prec is not None and prec["role"] == "prefill" and prec["url"] == prefill.url
+        assert prec["bootstrap_port"] == prefill.bport and prec["ready"]
+        assert decr is not None and decr["role"] == "decode" and decr["url"] == decode.url
+        assert json.loads(dec.value)["model"] == "tiny"
+        _, ranks = await etcd.get_prefix(layout.ranks_prefix("pre-a"))
+        assert len(ranks) == 1
+        # blocks and record share one lease: a dead prefill's keys all vanish together
+        assert (await etcd.get(layout.block("tiny", "pre-a", want[0]))).lease == pre.lease
+        prefill.kill()
+
+        async def gone() -> bool:
+            _, left = await etcd.get_prefix(layout.blocks_prefix("tiny", "pre-a"))
+            return not left and await etcd.get(layout.instance("pre-a")) is None
+        await wait_for(gone, 15)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+async def test_dp2_prefill_indexes_both_groups_caches(etcd_endpoint: str, key_prefix: str,
+                                                      etcd: EtcdClient) -> None:
+    """Rooms 2k and 2k+1 land on DP groups 0 and 1 (follow_bootstrap_room); the blocks of both
+    groups' prefix caches appear under the one instance."""
+    layout = KeyLayout(prefix=key_prefix)
+    common = ("--etcd", etcd_endpoint, "--etcd-prefix", key_prefix, "--lease-ttl", "3")
+    prefill = Proc("prefill", "--dp", "2", *common, "--instance-id", "pre-dp")
+    decode = Proc("decode")
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        prompts = {0: [256, *b"group zero holds this prompt, two blocks of it at least"],
+                   1: [256, *b"group one holds this other prompt, also two blocks long"]}
+        async with aiohttp.ClientSession() as s:
+            for dp, ids in prompts.items():
+                body = pd_body(ids, 2, prefill.bport, room=1000 + dp)
+                pr, dr = await asyncio.gather(s.post(prefill.url + "/generate", json=body),
+                                              s.post(decode.url + "/generate", json=body))
+                assert pr.status == 200 and dr.status == 200, await pr.text()
+        want = {h for ids in prompts.values() for h in block_hashes(ids, 16, BASE_SEED)}
+
+        async def indexed() -> bool:
+            _, kvs = await etcd.get_prefix(layout.blocks_prefix("tiny", "pre-dp"))
+            return {int(kv.key.rsplit(b"/", 1)[1], 16) for kv in kvs} >= want
+        await wait_for(indexed)
+    finally:
+        prefill.stop()
+        decode.stop()
