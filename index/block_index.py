@@ -7,10 +7,17 @@ watched mirror). One contract test suite runs against both.
 """
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 GPU = "GPU"
+_MEDIUM_RE = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+
+
+def valid_medium(medium: object) -> bool:
+    """A medium name the etcd value format can carry: 1-32 ASCII letters, digits or ``_.-``."""
+    return isinstance(medium, str) and _MEDIUM_RE.fullmatch(medium) is not None
 
 
 class BlockIndex(ABC):

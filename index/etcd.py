@@ -406,19 +406,25 @@ class EtcdClient:
     # --- watch --------------------------------------------------------------------------------
 
     async def watch_prefix(self, prefix: bytes, start_revision: int,
-                           progress_every: float | None = None) -> AsyncIterator[WatchBatch]:
+                           progress_every: float | None = None,
+                           fragment: bool = False) -> AsyncIterator[WatchBatch]:
         """Yield watch responses for ``prefix`` from ``start_revision`` (inclusive).
 
         With ``progress_every``, a progress request is sent at that period so that an idle watch
         still learns the store's current revision (for lag). Raises EtcdCompacted when the start
         revision has been compacted, and EtcdUnavailable when the stream breaks; callers resume
         from their last applied revision + 1.
+
+        With ``fragment``, etcd splits a response larger than its request limit (e.g. the deletes
+        of a huge lease expiry) into parts; they are reassembled here, so each yielded batch is
+        still whole. Without it such a response can exceed the gRPC message limit.
         """
         if self._channel is None:
             await self.connect()
         requests: asyncio.Queue[Any] = asyncio.Queue()
         await requests.put(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
-            key=prefix, range_end=prefix_end(prefix), start_revision=start_revision)))
+            key=prefix, range_end=prefix_end(prefix), start_revision=start_revision,
+            fragment=fragment)))
 
         async def request_iter() -> AsyncIterator[Any]:
             while True:
@@ -435,6 +441,7 @@ class EtcdClient:
 
         call = self._watch.Watch(request_iter(), metadata=self._metadata)
         ticker = asyncio.create_task(progress()) if progress_every else None
+        parts: list[WatchEvent] = []
         try:
             with self._mapped("watch"):
                 async for resp in call:
@@ -446,6 +453,11 @@ class EtcdClient:
                     events = [WatchEvent(ev.type == rpc.Event.EventType.PUT, ev.kv.key, ev.kv.value,
                                          int(ev.kv.mod_revision))
                               for ev in resp.events]
+                    if resp.fragment:
+                        parts.extend(events)  # more parts of the same response follow
+                        continue
+                    if parts:
+                        events, parts = parts + events, []
                     yield WatchBatch(int(resp.header.revision), events)
             raise EtcdUnavailable("watch stream ended", endpoint=self.endpoint, op="watch")
         finally:

@@ -24,6 +24,10 @@ from index.writer import BlockWriter, BlockWriterConfig
 logger = logging.getLogger(__name__)
 
 
+_MAX_GONE = 10_000
+"""Dropped instances remembered for ``settle()`` at most."""
+
+
 class IndexNotSettled(EtcdError):
     """The mirror did not catch up with the writers in time; etcd is slow or unreachable."""
 
@@ -45,7 +49,7 @@ class EtcdBlockIndex(BlockIndex):
         # For settle(): the newest revision any dropped writer wrote, and instances whose keys
         # go with a revoked or expiring lease (their deletes have no revision we know of).
         self._dropped_revision = 0
-        self._gone: set[str] = set()
+        self._gone: dict[str, None] = {}  # insertion-ordered set, oldest first
 
     async def start(self, timeout: float = 10.0) -> None:
         self.mirror.start()
@@ -71,12 +75,13 @@ class EtcdBlockIndex(BlockIndex):
         self.writers[instance] = writer
         return writer
 
-    def writer(self, instance: str) -> BlockWriter:
-        """The writer of ``instance``, created with a lease of its own on first use."""
+    def writer(self, instance: str, lease_ttl: int | None = None) -> BlockWriter:
+        """The writer of ``instance``, created with a lease of its own on first use (of
+        ``lease_ttl`` seconds, ``self.lease_ttl`` by default; ignored for an existing writer)."""
         writer = self.writers.get(instance)
         if writer is None:
             validate_instance_id(instance)
-            session = LeaseSession(self.client, self.lease_ttl)
+            session = LeaseSession(self.client, lease_ttl or self.lease_ttl)
             task = asyncio.create_task(session.run(), name=f"lease-{instance}")
             self._own_sessions[instance] = (session, task)
             writer = self.attach(instance, session)
@@ -90,7 +95,9 @@ class EtcdBlockIndex(BlockIndex):
             return
         await writer.close()
         self._dropped_revision = max(self._dropped_revision, writer.last_revision)
-        self._gone.add(instance)
+        self._gone.pop(instance, None)
+        self._gone[instance] = None
+        self._prune_gone()
         own = self._own_sessions.pop(instance, None)
         if own is not None:
             session, task = own
@@ -99,6 +106,18 @@ class EtcdBlockIndex(BlockIndex):
                 await task
             if revoke:
                 await session.revoke()
+
+    def _prune_gone(self) -> None:
+        """Keep ``_gone`` bounded without ``settle()``: forget dropped instances whose keys the
+        mirror has already seen go, and past ``_MAX_GONE`` the oldest (settle() then merely
+        stops waiting for those)."""
+        if self.mirror.revision >= self._dropped_revision:
+            mirrored = self.mirror.instances()
+            for instance in [i for i in self._gone
+                             if i not in mirrored and i not in self.writers]:
+                del self._gone[instance]
+        while len(self._gone) > _MAX_GONE:
+            del self._gone[next(iter(self._gone))]
 
     # --- BlockIndex -------------------------------------------------------------------------
 
@@ -154,7 +173,7 @@ class EtcdBlockIndex(BlockIndex):
         for instance in list(self._gone):
             writer = self.writers.get(instance)
             if writer is not None and len(writer):
-                self._gone.discard(instance)  # its own writes (ordered after the drop) cover it
+                self._gone.pop(instance, None)  # its own writes (ordered after the drop) cover it
                 continue
             while instance in self.mirror.instances():
                 if loop.time() > deadline:
@@ -163,6 +182,6 @@ class EtcdBlockIndex(BlockIndex):
                         endpoint=self.client.endpoint, op="watch")
                 await asyncio.sleep(0.01)
             if writer is None:
-                self._gone.discard(instance)
+                self._gone.pop(instance, None)
 
     wait_caught_up = settle

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote
 
+_HASH_RE = re.compile(r"[0-9a-f]{16}")
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -95,6 +96,8 @@ class KeyLayout:
     def parse_block(self, key: bytes) -> tuple[str, str, int]:
         """(model, instance_id, hash) of a block key."""
         parts = key.decode()[len(self.blocks_prefix()):].split("/")
-        if len(parts) != 3:
+        tail = parts[-1]
+        # Only the canonical form the writer produces: int(x, 16) alone takes "-0...1" and "0x".
+        if len(parts) != 3 or not _HASH_RE.fullmatch(tail):
             raise ValueError(f"not a block key: {key!r}")
-        return unquote(parts[0]), parts[1], int(parts[2], 16)
+        return unquote(parts[0]), parts[1], int(tail, 16)

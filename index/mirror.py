@@ -7,6 +7,13 @@ applied revision + 1; when etcd has compacted that revision away it reloads ever
 death needs nothing special: etcd deletes the keys with the lease and the deletes arrive here as
 ordinary watch events.
 
+Keys under the blocks prefix that are not exactly what a writer produces (not UTF-8, a hash that
+is not 16 lowercase hex digits, an invalid instance id, extra path segments) are counted in
+``bad_keys`` and skipped: the prefix is shared, and another tool's key must never stop the mirror.
+Anything unexpected while applying a batch is counted in ``errors`` and answered with a reload
+(with backoff), never by letting the task die. Caches (interned names, per-model tables) are
+pruned when an instance or a model holds no blocks any more.
+
 Lag is measured two ways: seconds between a writer's write time (the ``"t"`` field of each value)
 and the moment the put is applied here, and revisions between etcd's head (learned from watch
 progress notifications) and the last applied revision.
@@ -14,19 +21,21 @@ progress notifications) and the last applied revision.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
-from index.errors import EtcdCompacted, EtcdError
+from index.errors import EtcdCompacted, EtcdError, EtcdRequestError
 from index.etcd import EtcdClient, WatchBatch
-from index.keys import KeyLayout, validate_model
+from index.keys import KeyLayout, validate_instance_id, validate_model
 from index.lease import Backoff
 from index.table import GPU, BlockTable
+from index.writer import parse_hash_tail
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +90,9 @@ class BlockMirror:
         self.resumes = 0
         self.disconnects = 0
         self.bad_keys = 0
+        self.errors = 0
+        """Batches or reloads that failed unexpectedly (each answered with a reload)."""
+        self._emptied = False
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -133,7 +145,8 @@ class BlockMirror:
             "blocks": {m: len(t) for m, t in self.tables.items()},
             "puts": self.puts, "deletes": self.deletes, "batches": self.batches,
             "reloads": self.reloads, "compactions": self.compactions, "resumes": self.resumes,
-            "disconnects": self.disconnects, "bad_keys": self.bad_keys,
+            "disconnects": self.disconnects, "bad_keys": self.bad_keys, "errors": self.errors,
+            "cached_names": len(self._names) + len(self._models),
             "lag_s": self.lag_stats(), "last_error": self.last_error,
         }
 
@@ -185,15 +198,28 @@ class BlockMirror:
                 if reload:
                     await self.reload()
                     reload = False
-                async for batch in self.client.watch_prefix(self.prefix, self.revision + 1,
-                                                            self.config.progress_every):
-                    self._on_batch(batch)
-                    backoff.reset()
+                # aclosing: a batch that fails to apply must close the stream now, not at GC.
+                async with contextlib.aclosing(self._watch()) as watch:
+                    async for batch in watch:
+                        self._on_batch(batch)
+                        backoff.reset()
+            except asyncio.CancelledError:
+                raise
             except EtcdCompacted as exc:
                 self.compactions += 1
                 logger.warning("block mirror %s: revision %d compacted (up to %d); reloading",
                                self.model, self.revision + 1, exc.compact_revision)
                 reload = True
+            except EtcdRequestError as exc:
+                # RESOURCE_EXHAUSTED: a watch response larger than the gRPC message limit (a huge
+                # lease expiry without fragmenting). Resuming would hit the same response again.
+                self.disconnects += 1
+                self.last_error = str(exc)
+                reload = reload or "RESOURCE_EXHAUSTED" in str(exc)
+                logger.warning("block mirror %s: etcd refused the watch at revision %d (%s): %s",
+                               self.model, self.revision,
+                               "reloading" if reload else "resuming", exc)
+                await asyncio.sleep(backoff.next())
             except EtcdError as exc:
                 self.disconnects += 1
                 self.last_error = str(exc)
@@ -202,10 +228,25 @@ class BlockMirror:
                 await asyncio.sleep(backoff.next())
                 if not reload:
                     self.resumes += 1
+            except Exception as exc:
+                # A bug or an input nobody foresaw: the mirror may be half-applied, so start over
+                # from a snapshot rather than die while ``ready`` still says True.
+                self.errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                logger.exception("block mirror %s: failed at revision %d; reloading",
+                                 self.model, self.revision)
+                reload = True
+                await asyncio.sleep(backoff.next())
+
+    def _watch(self) -> AsyncIterator[WatchBatch]:
+        return self.client.watch_prefix(self.prefix, self.revision + 1,
+                                        self.config.progress_every, fragment=True)
 
     async def reload(self) -> None:
         """Replace the whole mirror with a fresh snapshot (start-up and after compaction)."""
         revision, kvs = await self.client.get_prefix(self.prefix)
+        # Interned names start over: a reload is when caches of the vanished can go.
+        self._models, self._names, self._media = {}, {}, {}
         groups: dict[tuple[str, str, str], list[int]] = {}
         for kv in kvs:
             parsed = self._parse(kv.key)
@@ -248,6 +289,19 @@ class BlockMirror:
             rev = max(revs) if all(revs) else batch.revision
             self.revision = max(self.revision, rev)
             self._advanced.set()
+            if self._emptied:
+                self._prune()
+
+    def _prune(self) -> None:
+        """Forget caches of instances and models that hold no blocks any more."""
+        self._emptied = False
+        for name in [m for m, t in self.tables.items() if not len(t) and m != self.model]:
+            del self.tables[name]
+        live: set[str] = set()
+        for t in self.tables.values():
+            live |= t.instances()
+        self._names = {raw: n for raw, n in self._names.items() if n in live}
+        self._models = {raw: m for raw, m in self._models.items() if m in self.tables}
 
     def _apply(self, batch: WatchBatch) -> None:
         # Consecutive events of one kind for one instance are applied as one table call.
@@ -287,25 +341,42 @@ class BlockMirror:
         else:
             self.deletes += len(hashes)
             table.apply_remove(instance, hashes)
+            if not table.count(instance):
+                self._emptied = True
 
     def _parse(self, key: bytes) -> tuple[str, str, int] | None:
+        """(model, instance, hash) of a writer's block key; None (counted) for anything else."""
         parts = key[self._root_len:].split(b"/")
-        if len(parts) != 3 or len(parts[2]) != 16:
+        h = parse_hash_tail(parts[2]) if len(parts) == 3 else None
+        if h is None:
             self.bad_keys += 1
             return None
-        raw_model, raw_instance, raw_hash = parts
-        try:
-            h = int(raw_hash, 16)
-        except ValueError:
-            self.bad_keys += 1
-            return None
+        raw_model, raw_instance, _ = parts
         model = self._models.get(raw_model)
         if model is None:
-            model = self._models[raw_model] = unquote(raw_model.decode())
+            model = self._intern_model(raw_model)
+            if model is None:
+                self.bad_keys += 1
+                return None
         instance = self._names.get(raw_instance)
         if instance is None:
-            instance = self._names[raw_instance] = raw_instance.decode()
+            try:
+                instance = validate_instance_id(raw_instance.decode())
+            except ValueError:  # UnicodeDecodeError included
+                self.bad_keys += 1
+                return None
+            self._names[raw_instance] = instance
         return model, instance, h
+
+    def _intern_model(self, raw: bytes) -> str | None:
+        try:
+            model = validate_model(unquote(raw.decode(), errors="strict"))
+        except ValueError:  # UnicodeDecodeError included
+            return None
+        if quote(model, safe="").encode() != raw:
+            return None  # not how KeyLayout writes it: "%41" and "A" must not both be model "A"
+        self._models[raw] = model
+        return model
 
     def _medium(self, value: bytes) -> str:
         # The writer formats values itself, so the medium sits at a known place; anything else
@@ -316,7 +387,9 @@ class BlockMirror:
                 raw = value[6:end]
                 medium = self._media.get(raw)
                 if medium is None:
-                    medium = self._media[raw] = raw.decode(errors="replace")
+                    medium = raw.decode(errors="replace")
+                    if len(self._media) < _MAX_MEDIA:
+                        self._media[raw] = medium
                 return medium
         try:
             doc = json.loads(value)
@@ -324,6 +397,10 @@ class BlockMirror:
             return medium if isinstance(medium, str) else GPU
         except ValueError:
             return GPU
+
+
+_MAX_MEDIA = 256
+"""Interned medium names kept; media come from values, which another tool could vary freely."""
 
 
 def _write_time(value: bytes) -> float | None:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from index.block_index import valid_medium
 from index.errors import EtcdError, LeaseExpired
 from index.etcd import Delete, EtcdClient, Put
 from index.keys import KeyLayout, validate_instance_id, validate_model
@@ -33,7 +33,6 @@ from index.lease import Backoff, LeaseSession
 
 logger = logging.getLogger(__name__)
 
-_MEDIUM_RE = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 _MAX_HASH = 2**64 - 1
 
 Entry = tuple[str, "int | None"]  # (medium, parent hash or None)
@@ -119,7 +118,7 @@ class BlockWriter:
 
     def add(self, parent: int | None, hashes: Sequence[int], medium: str = "GPU") -> None:
         """``hashes`` (consecutive blocks after ``parent``) are now held on ``medium``."""
-        if not _MEDIUM_RE.match(medium):
+        if not valid_medium(medium):
             raise ValueError(f"medium {medium!r} is invalid: use 1-32 letters, digits, '_.-'")
         for h in hashes:
             if not 0 <= h <= _MAX_HASH:
@@ -281,6 +280,7 @@ class BlockWriter:
         """Write changes until cancelled. Never raises on etcd trouble: it resyncs and retries."""
         backoff = Backoff()
         while True:
+            lease: int | None = None
             try:
                 lease = await self.session.wait_lease()
                 if self._resync_needed or self._lease != lease:
@@ -301,7 +301,11 @@ class BlockWriter:
                     self._wake.clear()
                     await self._wake.wait()
             except LeaseExpired:
-                self._fail("lease expired", self._lease)
+                # The lease this attempt used is the one to report: ``self._lease`` is still the
+                # previous one while a resync under a new lease fails, and the session ignores
+                # reports of a lease it no longer holds (the writer would spin on the dead one).
+                self._fail("lease expired", lease)
+                await asyncio.sleep(backoff.next())
             except EtcdError as exc:
                 self._fail(str(exc), None)
                 await asyncio.sleep(backoff.next())
@@ -444,7 +448,7 @@ class BlockWriter:
             current: set[int] = set()
             plen = len(self.prefix)
             for kv in kvs:
-                h = _parse_hash(kv.key[plen:])
+                h = parse_hash_tail(kv.key[plen:])
                 entry = snapshot.get(h) if h is not None else None
                 if entry is None:
                     ops.append(Delete(kv.key))
@@ -475,10 +479,17 @@ def _head(entry: Entry) -> bytes:
     return b'{"m":"' + medium.encode() + b'","p":' + p
 
 
-def _parse_hash(tail: bytes) -> int | None:
-    """The hash of a canonical ``{hash:016x}`` key tail, else None (a foreign key to delete)."""
+def parse_hash_tail(tail: bytes) -> int | None:
+    """The hash of a canonical ``{hash:016x}`` key tail (16 lowercase hex digits), else None.
+
+    ``int(tail, 16)`` alone also takes ``-000000000000001``, ``0x``, ``_`` and blanks, so the
+    round trip decides (only the exact form this writer produces is a block key), after the sign
+    check: ``b"%016x" % -1`` is ``-000000000000001`` again.
+    """
+    if len(tail) != 16:
+        return None
     try:
         h = int(tail, 16)
     except ValueError:
         return None
-    return h if b"%016x" % h == tail else None
+    return h if h >= 0 and b"%016x" % h == tail else None

@@ -10,6 +10,10 @@ accepted too). Events come in two encodings and both are decoded:
   ignored;
 - map form: ``{"type": "BlockStored", "block_hashes": [...], ...}``; unknown keys are ignored.
 
+``extra_keys`` (per-block extra hash inputs: multimodal content hashes, salts) is decoded as given
+(an array or null) so that the ingestor can refuse such blocks; ``medium`` is any string here, the
+ingestor refuses what the index cannot store.
+
 Engine hashes (int64, uint64 or bytes whose last 8 bytes are big-endian) are normalised to
 unsigned 64-bit ints. Anything else raises ``MalformedEvent`` with a stable reason label. Event
 types we do not know are skipped (a newer engine may add some) rather than failing the batch.
@@ -109,7 +113,7 @@ def decode_batch(obj: Any, limits: DecodeLimits = DEFAULT_LIMITS) -> KVEventBatc
 
 
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                  "medium", "lora_name")
+                  "medium", "lora_name", "extra_keys")
 _STORED_REQUIRED = 4
 _REMOVED_FIELDS = ("block_hashes", "medium")
 
@@ -144,6 +148,7 @@ def decode_event(ev: Any, limits: DecodeLimits = DEFAULT_LIMITS) -> KVEvent | No
             lora_id=_opt_int(f["lora_id"], "lora_id"),
             medium=_opt_str(f["medium"], "medium"),
             lora_name=_opt_str(f["lora_name"], "lora_name"),
+            extra_keys=_extra_keys(f["extra_keys"]),
         )
     if tag == "BlockRemoved":
         f = _fields(ev, _REMOVED_FIELDS, 1)
@@ -213,12 +218,19 @@ def _opt_str(v: Any, name: str) -> str | None:
     return v
 
 
+def _extra_keys(v: Any) -> list[Any] | None:
+    # Kept as given: the ingestor only needs to know whether any block carries extra hash inputs.
+    if v is not None and not isinstance(v, list):
+        raise MalformedEvent("bad_field", f"extra_keys must be an array or null, got {v!r:.40}")
+    return v
+
+
 # -- encoding ------------------------------------------------------------------------------------
 
 def encode_event(ev: KVEvent, encoding: Encoding = "map") -> Any:
     if isinstance(ev, BlockStored):
         vals = [list(ev.block_hashes), ev.parent_block_hash, list(ev.token_ids), ev.block_size,
-                ev.lora_id, ev.medium, ev.lora_name]
+                ev.lora_id, ev.medium, ev.lora_name, ev.extra_keys]
         return _shape("BlockStored", _STORED_FIELDS, vals, _STORED_REQUIRED, encoding)
     if isinstance(ev, BlockRemoved):
         return _shape("BlockRemoved", _REMOVED_FIELDS, [list(ev.block_hashes), ev.medium], 1, encoding)

@@ -20,6 +20,20 @@ Sequence numbers (one publisher = one counter from 0):
   ``unknown_parent`` until the engine's cache turns over;
 - backwards (and not a replay duplicate): the engine restarted, its cache is empty: clear;
 - ``AllBlocksCleared``: clear; the index is complete again, so ``resyncing`` ends.
+
+Namespaces (what makes two equal token runs different blocks):
+- ``lora_name`` given: the blocks are hashed in that LoRA's namespace
+  (``namespace_seed(lora_name, None)``), so a base-model prompt never matches adapter blocks;
+- ``lora_id`` set without ``lora_name``: refused (``lora_without_name``): an id is local to one
+  engine and the hash contract names adapters, so we cannot tell which namespace it is;
+- ``extra_keys`` non-empty for any block (multimodal content hashes, cache salts, tenant keys):
+  refused (``extra_keys``): the hash contract covers tokens and LoRA/salt namespaces only, and
+  indexing such blocks by their tokens would claim prefix hits across images or tenants.
+
+Each event is applied on its own: a refused event (counted by reason in ``stats.rejected``,
+e.g. ``bad_medium`` for a medium the index cannot store) or an index write that raises
+(``index_error``) never stops the batch, and the batch's sequence number is recorded anyway, so
+one odd event is never mistaken for lost events (which would clear the whole instance).
 """
 from __future__ import annotations
 
@@ -28,7 +42,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from index.block_index import GPU, BlockIndex
+from index.block_index import GPU, BlockIndex, valid_medium
 from index.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from index.hashing import DEFAULT_BLOCK_SIZE, block_hashes, namespace_seed
 
@@ -62,13 +76,16 @@ class IngestStats:
     duplicates: int = 0
     unknown_removed: int = 0
     evicted: int = 0
+    index_errors: int = 0
+    """Index writes that raised (the event is counted as rejected ``index_error``)."""
 
     def as_dict(self) -> dict[str, object]:
         return {"batches": self.batches, "applied": self.applied, "rejected": dict(self.rejected),
                 "last_seq": self.last_seq, "gaps": self.gaps, "replays": self.replays,
                 "replay_failures": self.replay_failures, "restarts": self.restarts,
                 "clears": self.clears, "duplicates": self.duplicates,
-                "unknown_removed": self.unknown_removed, "evicted": self.evicted}
+                "unknown_removed": self.unknown_removed, "evicted": self.evicted,
+                "index_errors": self.index_errors}
 
 
 class InstanceIngestor:
@@ -179,25 +196,37 @@ class InstanceIngestor:
             self._dup_range = (self._dup_range[0], self.stats.last_seq)
 
     async def _reset(self) -> None:
-        await self.index.clear(self.instance)
         self._own.clear()
         self._media.clear()
         self.stats.clears += 1
+        try:
+            await self.index.clear(self.instance)
+        except Exception:
+            self.stats.index_errors += 1
+            log.exception("instance %s: clearing the index failed", self.instance)
 
     # -- events ----------------------------------------------------------------------------
 
     async def _apply(self, seq: int, batch: KVEventBatch) -> None:
         for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                reason = await self._stored(ev)
-            elif isinstance(ev, BlockRemoved):
-                reason = await self._removed(ev)
-            elif isinstance(ev, AllBlocksCleared):
-                await self._reset()
-                self._state = "synced"  # the engine's cache is empty: we know all of it again
-                reason = None
-            else:  # pragma: no cover - the codec only produces the three types
-                reason = "unknown_event"
+            try:
+                if isinstance(ev, BlockStored):
+                    reason = await self._stored(ev)
+                elif isinstance(ev, BlockRemoved):
+                    reason = await self._removed(ev)
+                elif isinstance(ev, AllBlocksCleared):
+                    await self._reset()
+                    self._state = "synced"  # the engine's cache is empty: we know all of it again
+                    reason = None
+                else:  # pragma: no cover - the codec only produces the three types
+                    reason = "unknown_event"
+            except Exception:
+                # One event the index cannot take must not look like lost events: count it and
+                # go on, so the sequence number still advances.
+                self.stats.index_errors += 1
+                log.exception("instance %s: applying %s of seq %d failed", self.instance,
+                              type(ev).__name__, seq)
+                reason = "index_error"
             if reason is None:
                 self.stats.applied += 1
             else:
@@ -221,6 +250,12 @@ class InstanceIngestor:
             return "empty"
         if len(ev.token_ids) != n * self.block_size:
             return "token_count_mismatch"
+        if ev.lora_id is not None and ev.lora_name is None:
+            return "lora_without_name"
+        if ev.has_extra_keys:
+            return "extra_keys"
+        if ev.medium is not None and not valid_medium(ev.medium):
+            return "bad_medium"
         own_parent: int | None = None
         if ev.parent_block_hash is not None:
             own_parent = self._own.get(ev.parent_block_hash)

@@ -3,6 +3,7 @@ drains them, the indexer consumes them). Field names follow vLLM's ``KVEventBatc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +17,13 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = None
     lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    """Per-block extra hash inputs (multimodal content hashes, cache salt, ...), or None."""
+
+    @property
+    def has_extra_keys(self) -> bool:
+        """True when any block carries extra hash inputs (a null or empty entry carries none)."""
+        return bool(self.extra_keys) and any(k not in (None, [], ()) for k in self.extra_keys)
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,7 +65,7 @@ async def _sample_lag(client: EtcdClient, layout: KeyLayout, revision: int,
         return lags
 
     async def follow() -> None:
-        async for batch in client.watch_prefix(layout.blocks_prefix(), revision + 1):
+        async for batch in client.watch_prefix(layout.blocks_prefix(), revision + 1, fragment=True):
             now = time.time()
             for ev in batch.events:
                 if not ev.put:

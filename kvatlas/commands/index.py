@@ -141,10 +141,13 @@ def parse_tokens(text: str, source: str) -> list[int]:
     for i, item in enumerate(raw):
         if isinstance(item, bool) or not isinstance(item, (int, str)):
             raise CLIError(f"{source}: token #{i} {item!r} is not an integer")
-        try:
-            tok = int(item)
-        except ValueError:
-            raise CLIError(f"{source}: token #{i} {item!r} is not an integer") from None
+        # int() alone would take "1_000", "+5" and non-ASCII digits such as "\uff11": a token id
+        # is plain ASCII decimal digits only (a leading "-" gets through to the range message).
+        digits = item[1:] if isinstance(item, str) and item.startswith("-") else item
+        if isinstance(digits, str) and not (digits.isascii() and digits.isdigit()):
+            raise CLIError(f"{source}: token #{i} {item!r} is not an integer "
+                           f"(use ASCII digits 0-9 only)")
+        tok = int(item)
         if not 0 <= tok <= MAX_TOKEN_ID:
             raise CLIError(f"{source}: token #{i} {tok} is outside the uint32 range "
                            f"[0, {MAX_TOKEN_ID}]")

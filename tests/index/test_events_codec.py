@@ -78,7 +78,8 @@ def test_foreign_shapes() -> None:
     batch = decode_payload(pack([12.5, events]))
     assert batch.data_parallel_rank is None
     e0, e1, e2, e3, e4 = batch.events
-    assert e0 == BlockStored([2**64 - 5, 2**64 - 1, 7], 2**64 - 1, list(range(6)), 2, None, "GPU", None)
+    assert e0 == BlockStored([2**64 - 5, 2**64 - 1, 7], 2**64 - 1, list(range(6)), 2, None, "GPU", None,
+                             [[1, "x"]])
     assert e1 == BlockStored([3], None, [9, 9], 2)
     assert e2 == BlockStored([4], 3, [9, 9], 2, 7, "CPU", "lora-a")
     assert e3 == BlockRemoved([2**64 - 1])

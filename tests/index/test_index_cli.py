@@ -102,6 +102,11 @@ async def test_query_unknown_model_is_zero_matches(etcd_endpoint: str, key_prefi
     (("--tokens", "1.5"), "is not an integer"),
     (("--tokens", " , "), "no token ids"),
     (("--tokens", "[1, true]"), "is not an integer"),
+    (("--tokens", "1_000,2"), "token #0 '1_000' is not an integer"),
+    (("--tokens", "1,\uff12"), "token #1 '\uff12' is not an integer"),
+    (("--tokens", "1,\u0663"), "token #1 '\u0663' is not an integer"),
+    (("--tokens", '["1_0", 2]'), "token #0 '1_0' is not an integer"),
+    (("--tokens", "+5"), "token #0 '+5' is not an integer"),
     (("--tokens-file", "/nonexistent/prompt.txt"), "cannot read"),
     (("--tokens", "1", "--block-size", "0"), "--block-size"),
 ])
