@@ -1,9 +1,11 @@
 """``kvatlas demo``: the README's main command.
 
-It starts embedded etcd and one prefill instance's bootstrap server as local processes, registers
-a demo topology the way SGLang prefill ranks do (``PUT /route`` per rank), then shows what the
-cluster sees through etcd (``kvatlas instances``, ``kvatlas bootstrap show``) and what a decode
-sees through the bootstrap server (the topology document), and stops everything.
+It does what ``kvatlas cluster up`` does (embedded etcd, two prefill instances, a decode and the
+router, as local processes), then sends a few requests that share a system prompt, and shows
+with the real commands why the next one goes where it goes: ``kvatlas index query`` (which
+instance holds the longest prefix, read from etcd), ``kvatlas route`` (the router's decision and
+each candidate's matched blocks, load and cost) and ``kvatlas generate`` (the text). Then it
+brings the cluster down.
 """
 from __future__ import annotations
 
@@ -11,125 +13,119 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from kvatlas.cli import CLIError
-from kvatlas.etcd_proc import EtcdCluster, free_port
+from kvatlas.launcher.state import ClusterState
+from kvatlas.launcher.supervisor import LocalCluster, StartError
+from kvatlas.launcher.topology import Topology
+
+SYSTEM = ("You are kvatlas, a helpful assistant for a team that runs disaggregated LLM serving. "
+          "Answer in one short sentence. ")
+QUESTIONS = ["What does the prefill do?", "What does the decode do?",
+             "Why share a system prompt?"]
+OTHER = "A different conversation with nothing in common with the others: tell me a story."
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="start embedded etcd + a bootstrap server, register ranks, show them")
-    p.add_argument("--dp", type=int, default=2, help="demo data-parallel size")
-    p.add_argument("--tp", type=int, default=2, help="demo tensor-parallel size")
-    p.add_argument("--keep", action="store_true", help="keep running until Ctrl-C")
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("demo", help="start a local PD cluster, show KV-aware routing, stop it")
+    p.add_argument("--run-dir", default=".kvatlas/demo", help="run dir (default .kvatlas/demo)")
+    p.add_argument("--prefill", type=int, default=2, help="prefill instances (default 2)")
+    p.add_argument("--engine-mode", default="pd", choices=("pd", "monolithic"),
+                   help=argparse.SUPPRESS)
+    p.add_argument("--keep", action="store_true", help="keep the cluster up until Ctrl-C")
     p.set_defaults(func=run)
 
 
-def _http(method: str, url: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, str]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
+def _kvatlas(run_dir: Path, *args: str, show: bool = True) -> str:
+    cmd = [sys.executable, "-m", "kvatlas", *args, "--run-dir", str(run_dir)]
+    if show:
+        print(f"\n$ kvatlas {' '.join(_quote(a) for a in args)} --run-dir {run_dir}", flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if show:
+        sys.stdout.write(out.stdout)
+        sys.stdout.flush()
+    if out.returncode != 0:
+        raise CLIError(f"kvatlas {args[0]} failed: {out.stderr.strip()}")
+    return out.stdout
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+def _quote(a: str) -> str:
+    return f'"{a}"' if " " in a else a
+
+
+def _wait_indexed(run_dir: Path, prompt: str, timeout: float = 15.0) -> dict:
+    """Block events reach etcd asynchronously; wait until the prefix shows up in the index."""
     deadline = time.monotonic() + timeout
+    doc: dict = {}
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise CLIError(f"bootstrap server exited with code {proc.returncode}")
-        try:
-            if _http("GET", url, timeout=1.0)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise CLIError(f"bootstrap server did not answer on {url} within {timeout:.0f}s")
-
-
-def _wait_mirrored(base: str, timeout: float = 10.0) -> None:
-    """The etcd mirror is asynchronous; /metrics says when the server reports it synced."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        _, text = _http("GET", f"{base}/metrics")
-        if 'state="synced"} 1.0' in text:
-            return
-        time.sleep(0.1)
-    print(f"(etcd mirror not synced after {timeout:.0f}s; etcd may lag)")
-
-
-def _kvatlas(*args: str) -> None:
-    print(f"\n$ kvatlas {' '.join(args)}", flush=True)
-    subprocess.run([sys.executable, "-m", "kvatlas", *args], check=False)
+        doc = json.loads(_kvatlas(run_dir, "index", "query", "--model", "tiny", "--prompt",
+                                  prompt, "--json", show=False))
+        if any(m.get("matched_blocks", 0) for m in doc.get("instances", [])
+               if isinstance(m, dict)):
+            return doc
+        time.sleep(0.3)
+    return doc
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.dp < 1 or args.tp < 1 or args.dp * args.tp > 64:
-        raise CLIError("--dp and --tp must be >= 1 with dp*tp <= 64")
-    with tempfile.TemporaryDirectory(prefix="kvatlas-demo-") as tmp:
-        print("starting embedded etcd ...", flush=True)
-        etcd = EtcdCluster(1, base_dir=Path(tmp) / "etcd").start()
-        port = free_port()
-        log_path = Path(tmp) / "bootstrap.log"
-        with open(log_path, "wb") as log:
-            server = subprocess.Popen(
-                [sys.executable, "-m", "kvatlas", "--log-level", "INFO", "bootstrap", "serve",
-                 "--host", "127.0.0.1", "--port", str(port), "--instance-id", "prefill-0",
-                 "--model", "tiny", "--etcd", etcd.endpoints, "--lease-ttl", "5"],
-                stdout=subprocess.DEVNULL, stderr=log,
-            )
-        try:
-            base = f"http://127.0.0.1:{port}"
-            try:
-                _wait_http(f"{base}/health", server)
-            except CLIError as exc:
-                tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
-                raise CLIError(f"{exc}; its log ends with: {' | '.join(tail)}") from None
-            print(f"bootstrap server for instance prefill-0 on {base} (etcd {etcd.endpoints})")
-            status, text = _http("GET", f"{base}/ready")
-            print(f"before registration: GET /ready -> {status} {text.strip()}")
-            for dp in range(args.dp):
-                for tp in range(args.tp):
-                    body = {
-                        "attn_tp_size": args.tp, "attn_tp_rank": tp, "attn_cp_size": 1,
-                        "attn_cp_rank": 0, "attn_dp_size": args.dp, "attn_dp_rank": dp,
-                        "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
-                        "rank_ip": "127.0.0.1", "rank_port": 17000 + dp * args.tp + tp,
-                        "page_size": 16, "kv_cache_dtype": "bfloat16", "kv_layout": None,
-                        "dsv41_spec_layout": None, "load_balance_method": "follow_bootstrap_room",
-                        "enable_dsa_cache_layer_split": False, "enable_kv_cache_sharding": False,
-                        "prefill_http_port": 30000, "decode_allocation_policy": "early",
-                    }
-                    status, text = _http("PUT", f"{base}/route", body)
-                    if status != 200:
-                        raise CLIError(f"PUT /route for dp={dp} tp={tp} failed: {status} {text}")
-            status, text = _http("GET", f"{base}/ready")
-            print(f"after {args.dp * args.tp} PUT /route: GET /ready -> {status} {text.strip()}")
-            status, text = _http("GET", f"{base}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
-                                        "&target_tp_rank=-1&target_pp_rank=-1")
-            print(f"topology a decode sees (GET /route with -1s): {text}")
-            _wait_mirrored(base)
-            _kvatlas("instances", "--etcd", etcd.endpoints)
-            _kvatlas("bootstrap", "show", "prefill-0", "--etcd", etcd.endpoints)
-            if args.keep:
-                print("\nrunning; Ctrl-C to stop")
-                while server.poll() is None:
-                    time.sleep(1)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            server.terminate()
-            try:
-                server.wait(10)
-            except subprocess.TimeoutExpired:
-                server.kill()
-            etcd.stop()
-        print("\nstopped the bootstrap server and etcd")
+    run_dir = Path(args.run_dir)
+    try:
+        if any(p.alive() for p in ClusterState.load(run_dir).processes):
+            raise CLIError(f"a cluster is already running from {run_dir}: "
+                           f"`kvatlas cluster down --run-dir {run_dir}` first")
+    except (FileNotFoundError, ValueError):
+        pass
+    topo = Topology(prefill=args.prefill, decode=1, engine_mode=args.engine_mode)
+    cluster = LocalCluster(topo, run_dir)
+    t0 = time.monotonic()
+    print(f"$ kvatlas cluster up --prefill {args.prefill} --decode 1 --run-dir {run_dir}",
+          flush=True)
+    try:
+        cluster.start(timeout=180, progress=lambda n, e: e == "ready" and print(
+            f"  {n} ready ({time.monotonic() - t0:.1f}s)", flush=True))
+    except StartError as exc:
+        raise CLIError(f"cluster did not start: {exc}") from None
+    try:
+        print(f"router {cluster.state.router['url']}, etcd {cluster.state.etcd}")
+        first = SYSTEM + QUESTIONS[0]
+        print("\n# 1. a first request with the shared system prompt; its prefill stores the "
+              "prompt's KV blocks and publishes them to etcd")
+        _kvatlas(run_dir, "generate", "--prompt", first, "--max-new-tokens", "16")
+        _wait_indexed(run_dir, first)
+        nxt = SYSTEM + QUESTIONS[1]
+        print("\n# 2. the global index (etcd) knows which instance holds the shared prefix of "
+              "the next prompt")
+        _kvatlas(run_dir, "index", "query", "--model", "tiny", "--prompt", nxt)
+        print("\n# 3. so the router sends the next prompt there (matched blocks lower its cost)")
+        _kvatlas(run_dir, "route", "--prompt", nxt)
+        print("\n# 4. ...while a prompt with nothing in common is routed by load")
+        _kvatlas(run_dir, "route", "--prompt", OTHER)
+        print("\n# 5. generating through the router: the decode receives the prefill's KV "
+              "(verified by bootstrap room) and generates")
+        for q in QUESTIONS[1:]:
+            args_ = ("generate", "--prompt", SYSTEM + q, "--max-new-tokens", "16", "--json")
+            print(f"\n$ kvatlas {' '.join(_quote(a) for a in args_)} --run-dir {run_dir}")
+            answer = json.loads(_kvatlas(run_dir, *args_, show=False))
+            meta = answer.get("meta_info", {})
+            print(f"text {answer.get('text')!r}  (tiny is a seeded random model: the text is "
+                  f"noise; the point is where its KV came from)")
+            print(f"prompt {meta.get('prompt_tokens')} tokens, {meta.get('cached_tokens')} "
+                  f"served from the prefill's prefix cache, bootstrap room "
+                  f"{meta.get('bootstrap_room')}", flush=True)
+        _kvatlas(run_dir, "cluster", "status")
+        if args.keep:
+            print("\nrunning; Ctrl-C to stop")
+            while True:
+                time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print(f"\n$ kvatlas cluster down --run-dir {run_dir}", flush=True)
+        cluster.stop()
+        left = [p.name for p in cluster.state.processes if p.alive()]
+        print("stopped everything; nothing left running" if not left
+              else f"still running: {left}")
+    print(f"demo done in {time.monotonic() - t0:.0f}s")
     return 0

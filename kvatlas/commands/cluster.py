@@ -1,0 +1,258 @@
+"""``kvatlas cluster up|status|down``: a whole PD cluster as local processes, one command.
+
+``up`` starts embedded etcd (or uses ``--etcd HOST:PORT``), the prefill and decode instances and
+the router on loopback, shows progress, waits for the router's /readiness and prints the
+endpoints. The run directory (``--run-dir``, default ``.kvatlas/run``) records every process in
+``cluster.json``; ``status`` and ``down`` (and ``index``, ``route``, ``generate``, ``doctor``)
+find the cluster there. In the foreground, Ctrl-C stops everything; ``--detach`` returns and
+leaves the cluster running until ``kvatlas cluster down``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvatlas.cli import CLIError
+from kvatlas.commands._common import add_etcd_args
+from kvatlas.launcher.state import ClusterState, proc_rss
+from kvatlas.launcher.supervisor import LocalCluster, StartError, http_status, stop_processes
+from kvatlas.launcher.topology import EtcdClientFlags, Topology
+
+DEFAULT_RUN_DIR = ".kvatlas/run"
+DEFAULT_ROUTER_PORT = 8000
+"""The router's port when free: `kvatlas route`/`generate` find it there without --run-dir."""
+
+
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("cluster", help="a local PD cluster: up, status, down")
+    sub = parser.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
+
+    up = sub.add_parser("up", help="start etcd, prefill and decode instances and the router")
+    up.add_argument("--prefill", type=int, default=2, help="prefill instances (default 2)")
+    up.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
+    up.add_argument("--prefill-tp", type=int, default=1, help="TP ranks per prefill instance")
+    up.add_argument("--prefill-dp", type=int, default=1, help="DP ranks per prefill instance")
+    up.add_argument("--decode-tp", type=int, default=1, help="TP ranks per decode instance")
+    up.add_argument("--etcd-members", type=int, default=1, choices=(1, 3),
+                    help="embedded etcd members (default 1)")
+    up.add_argument("--model", default="tiny", help="engine model config (default tiny)")
+    up.add_argument("--router-port", type=int, default=None,
+                    help=f"router port (default {DEFAULT_ROUTER_PORT} when free, else a free one)")
+    up.add_argument("--lease-ttl", type=int, default=10, help="instance lease TTL in seconds")
+    up.add_argument("--engine-mode", default="pd", choices=("pd", "monolithic"),
+                    help="pd (default): prefill/decode engines; monolithic: stand-ins")
+    up.add_argument("--detach", action="store_true", help="return once ready; stop with down")
+    up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
+    add_etcd_args(up)
+    up.set_defaults(func=cmd_up)
+    # --etcd: "embedded" (default) or an external HOST:PORT[,...].
+    up.set_defaults(etcd=None)
+
+    for name, func, text in (("status", cmd_status, "processes, health, readiness, index size"),
+                             ("down", cmd_down, "stop every process of the cluster")):
+        p = sub.add_parser(name, help=text)
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="print JSON")
+        p.set_defaults(func=func)
+    compose = sub.add_parser("compose", help="print docker-compose.yml for the same topology")
+    compose.set_defaults(func=cmd_compose)
+    for p in (up, *[sub.choices[n] for n in ("status", "down")]):
+        p.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
+                       help=f"the cluster's state and logs (default {DEFAULT_RUN_DIR})")
+
+
+def topology_from_args(args: argparse.Namespace) -> Topology:
+    external = None if args.etcd in (None, "embedded") else args.etcd
+    client = EtcdClientFlags(prefix=args.etcd_prefix, user=args.etcd_user,
+                             password=args.etcd_password, ca=args.etcd_ca, cert=args.etcd_cert,
+                             key=args.etcd_key)
+    return Topology(prefill=args.prefill, decode=args.decode, prefill_tp=args.prefill_tp,
+                    prefill_dp=args.prefill_dp, decode_tp=args.decode_tp, model=args.model,
+                    etcd_members=args.etcd_members, external_etcd=external,
+                    etcd_client=client, lease_ttl=args.lease_ttl, engine_mode=args.engine_mode)
+
+
+def _refuse_running(run_dir: Path) -> None:
+    try:
+        state = ClusterState.load(run_dir)
+    except (FileNotFoundError, ValueError):
+        return
+    live = [p.name for p in state.processes if p.alive()]
+    if live:
+        raise CLIError(f"a cluster is already running from {run_dir} ({', '.join(live)}); "
+                       f"`kvatlas cluster down --run-dir {run_dir}` first")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM stops a foreground cluster the way Ctrl-C does."""
+    raise KeyboardInterrupt
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    run_dir = Path(args.run_dir)
+    _refuse_running(run_dir)
+    topology = topology_from_args(args)
+    router_port = args.router_port or (DEFAULT_ROUTER_PORT if _port_free(DEFAULT_ROUTER_PORT)
+                                       else None)
+    ports = {("router", "router"): router_port} if router_port else None
+    cluster = LocalCluster(topology, run_dir, ports=ports)
+    console = Console(stderr=True)
+    started = time.monotonic()
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with console.status("starting the cluster ...") as status:
+            def progress(name: str, event: str) -> None:
+                if event == "ready":
+                    console.print(f"  [green]✓[/] {name} ready "
+                                  f"({time.monotonic() - started:.1f}s)", highlight=False)
+                else:
+                    status.update(f"starting {name} ...")
+            cluster.start(timeout=args.timeout, progress=progress)
+    except StartError as exc:
+        raise CLIError(f"cluster did not start: {exc}") from None
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping what started")
+        cluster.stop()
+        return 130
+    print_endpoints(cluster.state, time.monotonic() - started)
+    if args.detach:
+        cluster.state.supervisor_pid = None
+        cluster.state.save()
+        print(f"detached; stop with: kvatlas cluster down --run-dir {args.run_dir}")
+        return 0
+    print("running in the foreground; Ctrl-C stops everything", flush=True)
+    reported: set[tuple[str, int]] = set()
+    try:
+        while True:
+            time.sleep(1.0)
+            for p in cluster.state.processes:
+                if (p.name, p.pid) not in reported and not p.alive():
+                    reported.add((p.name, p.pid))
+                    print(f"warning: {p.name} exited; see {p.log}", file=sys.stderr, flush=True)
+            if len(reported) >= len(cluster.state.processes):
+                print("every process has exited (`kvatlas cluster down`?)", flush=True)
+                break
+    except KeyboardInterrupt:
+        print("\nstopping the cluster ...", flush=True)
+    finally:
+        cluster.stop()
+    print("stopped; nothing left running")
+    return 0
+
+
+def print_endpoints(state: ClusterState, elapsed: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kvatlas cluster ready in {elapsed:.1f}s (run dir {state.run_dir})")
+    for col in ("process", "role", "pid", "endpoint"):
+        table.add_column(col)
+    for p in state.processes:
+        extra = "".join(f"  {k} :{v}" for k, v in p.ports.items() if k not in ("http",))
+        table.add_row(p.name, p.role, str(p.pid), p.url + extra)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    print(f"router: {state.router['url']}   etcd: {state.etcd}", flush=True)
+
+
+def _json(url: str) -> tuple[int, Any]:
+    status, body = http_status(url, timeout=2.0)
+    try:
+        return status, json.loads(body) if body else None
+    except ValueError:
+        return status, None
+
+
+def collect_status(state: ClusterState) -> dict[str, Any]:
+    """Processes (alive, health, rss), router readiness and workers, and the index size."""
+    from kvatlas.launcher.supervisor import healthy
+    procs = []
+    for p in state.processes:
+        alive = p.alive()
+        procs.append({"name": p.name, "role": p.role, "pid": p.pid, "alive": alive,
+                      "healthy": alive and healthy(p.role, p.health_url.replace(
+                          "/readiness", "/health")),
+                      "rss_mb": round((proc_rss(p.pid) or 0) / 2 ** 20, 1) if alive else None,
+                      "url": p.url, "log": p.log})
+    router = state.router["url"]
+    ready_status, readiness = _json(f"{router}/readiness")
+    _, workers = _json(f"{router}/workers")
+    return {"run_dir": state.run_dir, "etcd": state.etcd, "router": router,
+            "processes": procs, "ready": ready_status == 200, "readiness": readiness,
+            "workers": workers}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    try:
+        state = ClusterState.load(args.run_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    st = collect_status(state)
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0 if st["ready"] else 1
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    table = Table(title=f"processes ({state.run_dir})")
+    for col in ("process", "role", "pid", "state", "health", "rss MB", "endpoint"):
+        table.add_column(col)
+    for p in st["processes"]:
+        table.add_row(p["name"], p["role"], str(p["pid"]),
+                      "[green]running[/]" if p["alive"] else "[red]exited[/]",
+                      "ok" if p["healthy"] else "[red]failing[/]",
+                      str(p["rss_mb"] or "-"), p["url"])
+    console.print(table)
+    workers = st["workers"] or {}
+    wt = Table(title="instances seen by the router")
+    for col in ("instance", "role", "ready", "healthy", "circuit", "load", "requests"):
+        wt.add_column(col)
+    for role in ("prefill", "decode"):
+        for w in workers.get(role, []):
+            wt.add_row(w["instance_id"], role, str(w["ready"]), str(w["healthy"]),
+                       w["circuit"], str(w["load"]), str(w["requests"]))
+    console.print(wt)
+    index = (st["readiness"] or {}).get("index", {})
+    console.print(f"router {st['router']}: {'[green]ready[/]' if st['ready'] else '[red]NOT ready[/]'}"
+                  f"   index: {index.get('state', '?')}, {index.get('blocks', '?')} blocks, "
+                  f"revision {index.get('revision', '?')}   etcd: {st['etcd']}", highlight=False)
+    return 0 if st["ready"] else 1
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    try:
+        state = ClusterState.load(args.run_dir)
+    except FileNotFoundError as exc:
+        raise CLIError(str(exc)) from None
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    stopped = stop_processes(state)
+    left = [p.name for p in state.processes if p.alive()]
+    if left:
+        raise CLIError(f"still running after SIGKILL: {', '.join(left)}")
+    print(f"stopped {len(stopped)} processes ({', '.join(stopped) or 'none were running'}); "
+          "nothing left running")
+    return 0
+
+
+def cmd_compose(args: argparse.Namespace) -> int:
+    from kvatlas.launcher.compose import compose_yaml
+    sys.stdout.write(compose_yaml())
+    return 0

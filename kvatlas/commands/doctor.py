@@ -1,0 +1,57 @@
+"""``kvatlas doctor``: check a running cluster link by link; print the first broken one."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from kvatlas.cli import CLIError
+from kvatlas.commands._common import key_layout
+from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_etcd_settings
+from kvatlas.commands.route import router_url
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "doctor", help="walk the evidence chain of a cluster; print the first failing link",
+        description="Checks, in order: etcd; instance registration; per prefill instance its "
+                    "ranks (n of m), topology and rank resolution, transfer sockets and a probe "
+                    "whose room must reach 'consumed' on a decode; the router's readiness, "
+                    "pools, breakers and index mirror, and a probe through the router.")
+    add_cluster_etcd_args(p)
+    p.add_argument("--router", default=None, metavar="URL",
+                   help="router base URL (default: the run dir's, else no router checks)")
+    p.add_argument("--timeout", type=float, default=15.0, help="seconds per HTTP call")
+    p.add_argument("--json", action="store_true", help="print the links as JSON")
+    p.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from kvatlas.launcher.doctor import Doctor
+
+    settings = cluster_etcd_settings(args)
+    router = None
+    if args.router:
+        router = args.router.rstrip("/")
+    else:
+        try:
+            router = router_url(args)
+        except CLIError:
+            router = None
+    doctor = Doctor(settings, key_layout(args), router, timeout=args.timeout)
+    links = asyncio.run(doctor.run())
+    if args.json:
+        print(json.dumps([vars(link) for link in links], indent=2))
+    else:
+        for link in links:
+            mark = "ok  " if link.ok else "FAIL"
+            print(f"[{mark}] {link.name}: {link.detail}")
+            if not link.ok:
+                print(f"       next: {link.hint}")
+        if links and all(link.ok for link in links):
+            print(f"all {len(links)} links hold" + ("" if router else
+                                                     " (no router given: router not checked)"))
+    sys.stdout.flush()
+    return 0 if links and all(link.ok for link in links) else 1

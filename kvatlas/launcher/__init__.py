@@ -1,0 +1,1 @@
+"""The local cluster launcher: topology description, process supervisor and run-dir state."""

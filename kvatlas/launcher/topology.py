@@ -1,0 +1,289 @@
+"""One description of a kvatlas cluster, rendered as local processes or as compose services.
+
+``Topology`` says what runs (etcd members, prefill and decode instances, the router) and how
+they are configured; a ``Network`` says where each part listens and how the others reach it.
+``Topology.services(network)`` is the single place that writes each process's command line, so
+``kvatlas cluster up`` (``LocalNetwork``: loopback, free ports) and ``docker-compose.yml``
+(``ComposeNetwork``: service names, fixed ports) cannot drift: tests compare the two.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from index.keys import KeyLayout, validate_model
+from kvatlas.etcd_proc import COMPACTION_ARGS, free_port
+
+ROLES = ("etcd", "prefill", "decode", "router")
+ENGINE_MODES = ("pd", "monolithic")
+
+# Flags whose values are addresses (differ between networks) or secrets (differ per cluster).
+ADDRESS_FLAGS = frozenset({"--host", "--port", "--bootstrap-port", "--etcd", "--advertise-host",
+                           "--decode", "--prefill"})
+SECRET_FLAGS = frozenset({"--auth-token", "--admin-token", "--etcd-password"})
+
+
+class Network(Protocol):
+    """Where services listen and how their peers dial them."""
+
+    listen_host: str
+    data_root: str
+
+    def host(self, service: str) -> str:
+        """The host name peers use to reach ``service``."""
+
+    def port(self, service: str, purpose: str) -> int:
+        """The port ``service`` uses for ``purpose`` (``http``, ``bootstrap``, ``peer``)."""
+
+
+@dataclass
+class LocalNetwork:
+    """Every service on one host: free loopback ports unless pinned in ``fixed``."""
+
+    listen_host: str = "127.0.0.1"
+    data_root: str = "/tmp/kvatlas-etcd"
+    """Directory holding each etcd member's data directory."""
+    fixed: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Pinned ports by (service, purpose); everything else gets a free port once, then keeps it."""
+
+    def host(self, service: str) -> str:
+        return self.listen_host
+
+    def port(self, service: str, purpose: str) -> int:
+        key = (service, purpose)
+        if key not in self.fixed:
+            self.fixed[key] = free_port(self.listen_host)
+        return self.fixed[key]
+
+
+@dataclass
+class ComposeNetwork:
+    """One container per service: listen on all interfaces, peers dial the service name."""
+
+    listen_host: str = "0.0.0.0"
+    data_root: str = "/var/lib/etcd"
+    ports: dict[str, int] = field(default_factory=lambda: {
+        "http": 30000, "bootstrap": 8998, "client": 2379, "peer": 2380, "router": 8000})
+
+    def host(self, service: str) -> str:
+        return service
+
+    def port(self, service: str, purpose: str) -> int:
+        return self.ports[purpose]
+
+
+@dataclass
+class EtcdClientFlags:
+    """The etcd client's TLS and auth options, passed through to every process that dials etcd."""
+
+    prefix: str = "/kvatlas"
+    user: str | None = None
+    password: str | None = None
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def args(self) -> list[str]:
+        out = ["--etcd-prefix", self.prefix] if self.prefix != "/kvatlas" else []
+        for flag, value in (("--etcd-user", self.user), ("--etcd-password", self.password),
+                            ("--etcd-ca", self.ca), ("--etcd-cert", self.cert),
+                            ("--etcd-key", self.key)):
+            if value is not None:
+                out += [flag, value]
+        return out
+
+
+@dataclass
+class Service:
+    """One process of the cluster: its command line and where to check it."""
+
+    name: str
+    """Process / compose service name (``etcd0``, ``prefill-0``, ``decode-0``, ``router``)."""
+    role: str
+    """One of ROLES."""
+    args: list[str]
+    """Command line after the program: ``kvatlas`` arguments, or etcd's flags for etcd."""
+    host: str
+    """Host peers dial."""
+    port: int
+    """Main HTTP port (etcd: the client port)."""
+    health_path: str
+    """GET path that answers 200 once the process is up (the router: /readiness)."""
+    depends_on: list[str] = field(default_factory=list)
+    extra_ports: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def health_url(self) -> str:
+        return self.url + self.health_path
+
+
+@dataclass
+class Topology:
+    """What a cluster runs; validated on construction."""
+
+    prefill: int = 2
+    """Prefill instances."""
+    decode: int = 1
+    """Decode instances."""
+    prefill_tp: int = 1
+    """Tensor-parallel ranks per prefill instance."""
+    prefill_dp: int = 1
+    """Data-parallel ranks per prefill instance."""
+    decode_tp: int = 1
+    """Tensor-parallel ranks per decode instance."""
+    model: str = "tiny"
+    """Engine model config (the served model name too)."""
+    etcd_members: int = 1
+    """Embedded etcd members (1 or 3); ignored when ``external_etcd`` is set."""
+    external_etcd: str | None = None
+    """``HOST:PORT[,...]`` of an etcd the cluster uses instead of starting its own."""
+    etcd_client: EtcdClientFlags = field(default_factory=EtcdClientFlags)
+    """TLS/auth/prefix options for every etcd client."""
+    auth_token: str | None = None
+    """Bootstrap write token (``--auth-token`` of prefill instances); None: generated."""
+    admin_token: str | None = None
+    """Router admin token (``--admin-token``); None: generated."""
+    lease_ttl: int = 10
+    """Instance lease TTL in seconds."""
+    health_interval: float = 2.0
+    """Router health-check interval in seconds."""
+    engine_mode: str = "pd"
+    """``pd``: prefill and decode engine modes; ``monolithic``: monolithic engines stand in for
+    both roles (the router lists them statically; no KV transfer)."""
+
+    def __post_init__(self) -> None:
+        validate_model(self.model)
+        KeyLayout(prefix=self.etcd_client.prefix)
+        for name in ("prefill", "decode", "prefill_tp", "prefill_dp", "decode_tp"):
+            if not 1 <= getattr(self, name) <= 64:
+                raise ValueError(f"{name} must be within [1, 64], got {getattr(self, name)}")
+        if self.external_etcd is None and self.etcd_members not in (1, 3):
+            raise ValueError(f"etcd members must be 1 or 3, got {self.etcd_members}")
+        if self.engine_mode not in ENGINE_MODES:
+            raise ValueError(f"engine mode must be one of {ENGINE_MODES}, got {self.engine_mode!r}")
+        if not 2 <= self.lease_ttl <= 3600:
+            raise ValueError(f"lease TTL must be within [2, 3600] s, got {self.lease_ttl}")
+        # Hex: a token must never start with "-", or argparse would read it as a flag.
+        if self.auth_token is None:
+            self.auth_token = secrets.token_hex(24)
+        if self.admin_token is None:
+            self.admin_token = secrets.token_hex(24)
+
+    # --- names -----------------------------------------------------------------------------
+
+    def etcd_names(self) -> list[str]:
+        return [] if self.external_etcd else [f"etcd{i}" for i in range(self.etcd_members)]
+
+    def prefill_names(self) -> list[str]:
+        return [f"prefill-{i}" for i in range(self.prefill)]
+
+    def decode_names(self) -> list[str]:
+        return [f"decode-{i}" for i in range(self.decode)]
+
+    def etcd_endpoints(self, net: Network) -> str:
+        if self.external_etcd:
+            return self.external_etcd
+        return ",".join(f"{net.host(n)}:{net.port(n, 'client')}" for n in self.etcd_names())
+
+    # --- services --------------------------------------------------------------------------
+
+    def services(self, net: Network) -> list[Service]:
+        """Every process in start order: etcd, prefills, decodes, router."""
+        out = [self._etcd(net, n) for n in self.etcd_names()]
+        out += [self._prefill(net, n) for n in self.prefill_names()]
+        out += [self._decode(net, n) for n in self.decode_names()]
+        out.append(self._router(net, out))
+        return out
+
+    def _etcd(self, net: Network, name: str) -> Service:
+        peers = ",".join(f"{n}=http://{net.host(n)}:{net.port(n, 'peer')}"
+                         for n in self.etcd_names())
+        client, peer = net.port(name, "client"), net.port(name, "peer")
+        listen = net.listen_host
+        args = [
+            f"--name={name}",
+            f"--data-dir={net.data_root}/{name}.etcd",
+            f"--listen-client-urls=http://{listen}:{client}",
+            f"--advertise-client-urls=http://{net.host(name)}:{client}",
+            f"--listen-peer-urls=http://{listen}:{peer}",
+            f"--initial-advertise-peer-urls=http://{net.host(name)}:{peer}",
+            f"--initial-cluster={peers}",
+            "--initial-cluster-token=kvatlas",
+            "--initial-cluster-state=new",
+            "--log-level=warn",
+            *COMPACTION_ARGS,
+        ]
+        return Service(name, "etcd", args, net.host(name), client, "/health",
+                       extra_ports={"peer": peer})
+
+    def _etcd_args(self, net: Network) -> list[str]:
+        return ["--etcd", self.etcd_endpoints(net), *self.etcd_client.args()]
+
+    def _common_engine(self, net: Network, name: str) -> list[str]:
+        return ["engine", "serve", "--model", self.model, "--host", net.listen_host,
+                "--port", str(net.port(name, "http"))]
+
+    def _prefill(self, net: Network, name: str) -> Service:
+        port = net.port(name, "http")
+        extra: dict[str, int] = {}
+        if self.engine_mode == "monolithic":
+            args = [*self._common_engine(net, name), "--mode", "monolithic"]
+        else:
+            boot = net.port(name, "bootstrap")
+            extra["bootstrap"] = boot
+            args = [*self._common_engine(net, name), "--mode", "prefill",
+                    "--tp", str(self.prefill_tp), "--dp", str(self.prefill_dp),
+                    "--bootstrap-port", str(boot), "--instance-id", name,
+                    "--lease-ttl", str(self.lease_ttl), *self._etcd_args(net)]
+        return Service(name, "prefill", args, net.host(name), port, "/health",
+                       depends_on=self.etcd_names(), extra_ports=extra)
+
+    def _decode(self, net: Network, name: str) -> Service:
+        port = net.port(name, "http")
+        if self.engine_mode == "monolithic":
+            args = [*self._common_engine(net, name), "--mode", "monolithic"]
+        else:
+            args = [*self._common_engine(net, name), "--mode", "decode",
+                    "--tp", str(self.decode_tp), "--instance-id", name,
+                    "--lease-ttl", str(self.lease_ttl), *self._etcd_args(net)]
+        return Service(name, "decode", args, net.host(name), port, "/health",
+                       depends_on=self.etcd_names())
+
+    def _router(self, net: Network, others: list[Service]) -> Service:
+        name = "router"
+        port = net.port(name, "router")
+        args = ["router", "serve", "--host", net.listen_host, "--port", str(port),
+                "--model", self.model, "--admin-token", str(self.admin_token),
+                "--health-check-interval-secs", f"{self.health_interval:g}",
+                *self._etcd_args(net)]
+        if self.engine_mode == "monolithic":
+            # Monolithic stand-ins do not register in etcd: list them statically.
+            for s in others:
+                if s.role == "prefill":
+                    args += ["--prefill", s.url, "none"]
+                elif s.role == "decode":
+                    args += ["--decode", s.url]
+        deps = [s.name for s in others if s.role in ("prefill", "decode")]
+        return Service(name, "router", args, net.host(name), port, "/readiness",
+                       depends_on=deps)
+
+
+def normalized(args: list[str]) -> list[str]:
+    """``args`` with address and secret values replaced by placeholders (for parity checks)."""
+    out: list[str] = []
+    skip = 0
+    for a in args:
+        if skip:
+            skip -= 1
+            continue
+        if a in ADDRESS_FLAGS or a in SECRET_FLAGS:
+            out += [a, "<secret>" if a in SECRET_FLAGS else "<addr>"]
+            skip = 1
+        else:
+            out.append(a)
+    return out

@@ -1,0 +1,136 @@
+"""Steady client traffic through the router, and small probes of a running PD cluster."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from index.etcd import EtcdClient, EtcdSettings
+from index.keys import KeyLayout
+from kvatlas.launcher.state import ClusterState
+
+SYSTEM = ("You are a careful assistant. Answer in one sentence, cite nothing, and be kind to the "
+          "user whatever they ask. ")
+CLIENT_TIMEOUT = 30.0
+"""A request that takes longer than this counts as hung."""
+
+
+@dataclass
+class Outcome:
+    started: float
+    elapsed: float
+    status: int
+    """HTTP status; 0 when the client saw no answer (hang or transport error)."""
+    error: str | None
+    clean: bool
+    """200, or an error answer with a JSON ``error`` naming the problem."""
+
+
+@dataclass
+class Traffic:
+    """Requests at a fixed rate until stopped; every outcome is recorded."""
+
+    url: str
+    rate: float = 8.0
+    prefix: str = SYSTEM
+    outcomes: list[Outcome] = field(default_factory=list)
+    _task: asyncio.Task[None] | None = None
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def _one(self, session: aiohttp.ClientSession, n: int) -> None:
+        t0 = time.monotonic()
+        body = {"text": f"{self.prefix}Question {n}: what is {n} plus {n}?",
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+        try:
+            async with session.post(f"{self.url}/generate", json=body) as resp:
+                doc: Any = await resp.json(content_type=None)
+                err = doc.get("error") if isinstance(doc, dict) else None
+                clean = resp.status == 200 or isinstance(err, str)
+                self.outcomes.append(Outcome(t0, time.monotonic() - t0, resp.status, err, clean))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            self.outcomes.append(Outcome(t0, time.monotonic() - t0, 0, repr(exc), False))
+
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT)
+        pending: set[asyncio.Task[None]] = set()
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            n = 0
+            start = time.monotonic()
+            while not self._stop.is_set():
+                task = asyncio.create_task(self._one(session, n))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+                n += 1
+                delay = start + n / self.rate - time.monotonic()
+                try:
+                    await asyncio.wait_for(self._stop.wait(), max(0.0, delay))
+                except asyncio.TimeoutError:
+                    pass
+            if pending:
+                await asyncio.wait(pending)
+
+    def start(self) -> "Traffic":
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def stop(self) -> list[Outcome]:
+        self._stop.set()
+        assert self._task is not None
+        await self._task
+        return self.outcomes
+
+    def failures(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status != 200]
+
+
+async def get_json(url: str, timeout: float = 5.0) -> tuple[int, Any]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        async with s.get(url) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+
+async def get_text(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        async with s.get(url) as resp:
+            return resp.status, await resp.text()
+
+
+async def route(router: str, prompt: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+        async with s.post(f"{router}/debug/route", json={"text": prompt}) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
+
+async def generate(router: str, prompt: str, timeout: float = CLIENT_TIMEOUT) -> dict[str, Any]:
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        async with s.post(f"{router}/generate", json=body) as resp:
+            doc = await resp.json(content_type=None)
+            assert resp.status == 200, doc
+            return doc
+
+
+async def etcd_keys(state: ClusterState, instance_id: str) -> dict[str, int]:
+    """How many instance, rank and block keys of ``instance_id`` etcd holds."""
+    layout = KeyLayout()
+    settings = EtcdSettings.from_text(state.etcd, timeout=3.0)
+    async with EtcdClient(settings) as client:
+        inst = await client.get(layout.instance(instance_id))
+        _, ranks = await client.get_prefix(layout.ranks_prefix(instance_id))
+        _, blocks = await client.get_prefix(layout.blocks_prefix(state.model, instance_id))
+    return {"instance": int(inst is not None), "ranks": len(ranks), "blocks": len(blocks)}
+
+
+async def wait_for(predicate: Any, timeout: float, interval: float = 0.1) -> float:
+    """Poll an async predicate until true; the seconds it took. AssertionError on timeout."""
+    t0 = time.monotonic()
+    while True:
+        if await predicate():
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(interval)

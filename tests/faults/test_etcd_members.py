@@ -1,0 +1,90 @@
+"""3-member etcd: one member down fails nothing; two down -> routing on the last known index,
+flagged stale, bootstrap keeps serving; members back -> the index converges."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+from fault_helpers import SYSTEM, Traffic, etcd_keys, get_json, get_text, route, wait_for
+
+from kvatlas.launcher.supervisor import LocalCluster
+
+pytestmark = pytest.mark.timeout(120)
+TOPOLOGY = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+async def _stale_flags(router: str) -> tuple[float, str | None]:
+    _, metrics = await get_text(f"{router}/metrics")
+    _, ready = await get_json(f"{router}/readiness")
+    return _metric(metrics, "kvatlas_router_index_stale"), ready.get("index", {}).get("state")
+
+
+async def test_member_loss_quorum_loss_and_recovery(
+        pd_cluster: Callable[..., LocalCluster]) -> None:
+    cluster = pd_cluster(etcd_members=3)
+    state = cluster.state
+    router = state.router["url"]
+    traffic = Traffic(router, rate=6.0).start()
+    await asyncio.sleep(2.0)
+    holder = (await route(router, SYSTEM + "Q?"))["prefill"]["instance_id"]
+
+    # One member down: quorum holds, no request fails.
+    cluster.kill("etcd2")
+    await asyncio.sleep(4.0)
+    one_down = await traffic.stop()
+    assert len(one_down) >= 20 and not [o for o in one_down if o.status != 200], \
+        [(o.status, o.error) for o in one_down if o.status != 200][:3]
+
+    # Two down: no quorum. Routing continues on the last known index; bootstrap keeps serving.
+    traffic = Traffic(router, rate=6.0).start()
+    cluster.kill("etcd1")
+    await asyncio.sleep(5.0)
+    decision = await route(router, SYSTEM + "Q again?")
+    assert decision["prefill"]["instance_id"] == holder, "routing kept the last known index"
+    assert max(c["matched_blocks"] for c in decision["candidates"]) > 0
+    boot = state.process(holder).ports["bootstrap"]
+    status, topo = await get_json(f"http://127.0.0.1:{boot}{TOPOLOGY}")
+    assert status == 200 and topo["dp_size"] == 1, "bootstrap keeps serving without etcd"
+    no_quorum = await traffic.stop()
+    failed = [o for o in no_quorum if o.status != 200]
+    assert len(no_quorum) >= 20 and not failed, [(o.status, o.error) for o in failed][:3]
+
+    # Members back: the index converges, and the prefix stored meanwhile is found again.
+    cluster.restart("etcd1")
+    cluster.restart("etcd2")
+
+    async def converged() -> bool:
+        _, ready = await get_json(f"{router}/readiness")
+        keys = await etcd_keys(state, holder)
+        return ready.get("index", {}).get("state") == "live" and keys["blocks"] > 0
+
+    await wait_for(converged, 30.0, interval=0.5)
+    fresh = SYSTEM + "A question asked after the outage?"
+    assert (await route(router, fresh))["prefill"]["instance_id"] == holder
+    stale, index_state = await _stale_flags(router)
+    assert stale == 0.0 and index_state == "live"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "router gap: index_detail() marks the index stale only when instance discovery is "
+    "'degraded', and discovery's watch (no progress requests) hangs silently on a leaderless "
+    "member; the block mirror sees the failures (disconnects, last_error) but exposes no "
+    "connected/last-ok state. See the #7 report for the exact change."))
+async def test_quorum_loss_is_flagged_stale(pd_cluster: Callable[..., LocalCluster]) -> None:
+    cluster = pd_cluster(etcd_members=3)
+    router = cluster.state.router["url"]
+    cluster.kill("etcd2")
+    cluster.kill("etcd1")
+
+    async def flagged() -> bool:
+        return await _stale_flags(router) == (1.0, "stale")
+
+    await wait_for(flagged, 15.0, interval=0.25)

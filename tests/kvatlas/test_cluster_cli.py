@@ -1,0 +1,128 @@
+"""`kvatlas cluster up|status|down` with real processes: nothing is left running afterwards."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvatlas.etcd_proc import free_port
+from kvatlas.launcher.state import ClusterState
+
+pytestmark = pytest.mark.timeout(120)
+
+# One prefill and one decode keep these quick; tests/faults/ runs the default two prefills.
+FAST = ["--prefill", "1", "--decode", "1"]
+
+
+def kvatlas(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvatlas", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _all_gone(state: ClusterState) -> list[str]:
+    return [p.name for p in state.processes if p.alive()]
+
+
+def test_up_status_generate_down(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    up = kvatlas("cluster", "up", *FAST, "--detach", "--router-port", str(free_port()),
+                 "--run-dir", str(run_dir))
+    assert up.returncode == 0, up.stderr
+    state = ClusterState.load(run_dir)
+    try:
+        assert {p.role for p in state.processes} == {"etcd", "prefill", "decode", "router"}
+        assert all(p.alive() for p in state.processes)
+        # Other commands find the cluster through these two keys.
+        doc = json.loads((run_dir / "cluster.json").read_text())
+        assert doc["etcd"] == state.etcd and doc["router"]["url"].startswith("http://127.0.0.1:")
+        assert stat.S_IMODE((run_dir / "cluster.json").stat().st_mode) == 0o600, "holds tokens"
+        for p in state.processes:
+            assert Path(p.log).is_file()
+        st = kvatlas("cluster", "status", "--json", "--run-dir", str(run_dir))
+        assert st.returncode == 0, st.stderr
+        status = json.loads(st.stdout)
+        assert status["ready"] and all(p["alive"] and p["healthy"] for p in status["processes"])
+        assert len(status["workers"]["prefill"]) == 1 and len(status["workers"]["decode"]) == 1
+        gen = kvatlas("generate", "--run-dir", str(run_dir), "--prompt", "hello",
+                      "--max-new-tokens", "4", "--json")
+        assert gen.returncode == 0, gen.stderr
+        assert json.loads(gen.stdout)["meta_info"]["completion_tokens"] == 4
+        again = kvatlas("cluster", "up", *FAST, "--detach", "--run-dir", str(run_dir))
+        assert again.returncode == 2 and "already running" in again.stderr
+        # doctor walks the whole chain, then names the first broken link.
+        doc = kvatlas("doctor", "--run-dir", str(run_dir), "--json")
+        assert doc.returncode == 0, doc.stdout + doc.stderr
+        links = json.loads(doc.stdout)
+        names = [link["name"] for link in links]
+        assert all(link["ok"] for link in links) and "prefill-0: probe consumed" in names
+        assert names[-1] == "probe through the router consumed"
+        state.process("router").stop()
+        doc = kvatlas("doctor", "--run-dir", str(run_dir))
+        assert doc.returncode == 1
+        assert "[FAIL] router ready" in doc.stdout and "next:" in doc.stdout
+    finally:
+        down = kvatlas("cluster", "down", "--run-dir", str(run_dir))
+    assert down.returncode == 0, down.stderr
+    assert _all_gone(state) == []
+    st = kvatlas("cluster", "status", "--json", "--run-dir", str(run_dir))
+    assert st.returncode == 1 and not any(p["alive"] for p in json.loads(st.stdout)["processes"])
+
+
+def _wait_ready(run_dir: Path, proc: subprocess.Popen[bytes]) -> ClusterState:
+    """Read the foreground `up`'s output until it says it is running (pytest's timeout bounds
+    this); then the cluster is ready."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if b"Ctrl-C stops everything" in line:
+            state = ClusterState.load(run_dir)
+            with urllib.request.urlopen(state.router["url"] + "/readiness", timeout=5) as r:
+                assert r.status == 200
+            return state
+    raise AssertionError(f"the foreground `cluster up` exited early ({proc.wait()})")
+
+
+def test_ctrl_c_on_a_foreground_up_stops_everything(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "kvatlas", "cluster", "up", *FAST,
+                             "--router-port", str(free_port()), "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        state = _wait_ready(run_dir, proc)
+        assert len(state.processes) == 4
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0
+        assert b"nothing left running" in out
+        assert _all_gone(state) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kvatlas("cluster", "down", "--run-dir", str(run_dir))
+
+
+def test_a_failed_start_names_the_process_and_leaves_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        up = kvatlas("cluster", "up", *FAST, "--detach", "--router-port", str(port),
+                     "--timeout", "30", "--run-dir", str(run_dir))
+    assert up.returncode == 2
+    assert "router" in up.stderr and "router.log" in up.stderr
+    state = ClusterState.load(run_dir)
+    assert _all_gone(state) == []
+
+
+def test_down_without_a_cluster_says_how_to_start_one(tmp_path: Path) -> None:
+    out = kvatlas("cluster", "down", "--run-dir", str(tmp_path / "none"))
+    assert out.returncode == 2 and "kvatlas cluster up" in out.stderr
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,59 @@
+"""The topology: validation, loopback by default, and etcd TLS/auth passed to every client."""
+from __future__ import annotations
+
+import pytest
+
+from kvatlas.launcher.topology import EtcdClientFlags, LocalNetwork, Topology
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_every_process_listens_on_loopback_by_default() -> None:
+    services = Topology().services(LocalNetwork(data_root="/tmp/x"))
+    assert [s.role for s in services] == ["etcd", "prefill", "prefill", "decode", "router"]
+    for s in services:
+        if s.role == "etcd":
+            assert all("0.0.0.0" not in a for a in s.args)
+            assert "--listen-client-urls=http://127.0.0.1:" in " ".join(s.args)
+        else:
+            assert _flag(s.args, "--host") == "127.0.0.1", s.name
+    ports = [s.port for s in services] + [p for s in services for p in s.extra_ports.values()]
+    assert len(ports) == len(set(ports)), "every port is distinct"
+
+
+def test_etcd_tls_and_auth_reach_every_etcd_client() -> None:
+    flags = EtcdClientFlags(prefix="/other", user="u", password="p", ca="/ca.pem",
+                            cert="/c.pem", key="/k.pem")
+    topo = Topology(external_etcd="10.0.0.1:2379,10.0.0.2:2379", etcd_client=flags)
+    services = topo.services(LocalNetwork())
+    assert not [s for s in services if s.role == "etcd"], "external etcd starts no member"
+    for s in services:
+        assert _flag(s.args, "--etcd") == "10.0.0.1:2379,10.0.0.2:2379"
+        for flag, value in (("--etcd-prefix", "/other"), ("--etcd-user", "u"),
+                            ("--etcd-password", "p"), ("--etcd-ca", "/ca.pem"),
+                            ("--etcd-cert", "/c.pem"), ("--etcd-key", "/k.pem")):
+            assert _flag(s.args, flag) == value, (s.name, flag)
+
+
+def test_tokens_are_generated_and_passed() -> None:
+    a, b = Topology(), Topology()
+    assert a.auth_token and a.admin_token and a.auth_token != b.auth_token
+    services = {s.name: s for s in a.services(LocalNetwork())}
+    assert _flag(services["router"].args, "--admin-token") == a.admin_token
+
+
+def test_parallel_sizes_reach_the_instances() -> None:
+    topo = Topology(prefill=1, decode=2, prefill_tp=2, prefill_dp=2, decode_tp=4)
+    services = {s.name: s for s in topo.services(LocalNetwork())}
+    assert (_flag(services["prefill-0"].args, "--tp"), _flag(services["prefill-0"].args, "--dp")) \
+        == ("2", "2")
+    assert _flag(services["decode-1"].args, "--tp") == "4"
+
+
+@pytest.mark.parametrize("kw", [{"prefill": 0}, {"decode": 65}, {"etcd_members": 2},
+                                {"engine_mode": "x"}, {"lease_ttl": 1}, {"model": ""}])
+def test_bad_topologies_are_refused(kw: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        Topology(**kw)  # type: ignore[arg-type]
