@@ -11,8 +11,11 @@ between the same two processes (``sendall`` from the prefill pool, ``recv_into``
 the loopback limit with no protocol and no extra copy), then the same pages through the transfer
 layer (request, checksums on both sides, validation, copy into the pool); one untimed transfer per
 size comes first. The ratio compares medians; the goal is >= 0.8. Both processes call
-``transfer.tuning.tune_host_allocator()`` unless ``--no-tune``. Then p50/p99 latency of a 16-token transfer (one page). After each
-size the decode pool is hashed and compared with the prefill's hash of the pages sent.
+``transfer.tuning.tune_host_allocator()`` (heap thresholds and one malloc arena, so ZMQ's received
+frames reuse mapped memory) before starting any thread, unless ``--no-tune``; untuned, every
+transfer re-faults its frame memory and the ratio drops to ~0.55-0.65. Then p50/p99 latency of a
+16-token transfer (one page). After each size the decode pool is hashed and compared with the
+prefill's hash of the pages sent.
 
 Writes bench/results/transfer.json.
 """

@@ -160,9 +160,12 @@ class TransferConfig:
     and its cached connection is dropped (SGLang: 2)."""
     connect_timeout_s: float = 5.0
     """Decode: how long layout registration with a prefill rank may take (SGLang's HTTP calls: 5 s)."""
-    chunk_bytes: int = 16 << 20
+    chunk_bytes: int = 2 << 20
     """Target payload of one pages message. Smaller chunks let the decode validate and write while
-    later chunks are in flight; larger ones cost fewer headers and checksums."""
+    later chunks are in flight, and keep each received chunk in the CPU cache between the socket
+    read, the checksum and the copy into the pool; larger ones cost fewer headers and per-message
+    handling. 2 MiB (about one core's L2) measured best on loopback: 16 MiB chunks are checksummed
+    and copied from DRAM and were ~25% slower."""
     early_request_ttl_s: float = 300.0
     """Prefill: how long a decode's request for a room the prefill has not seen yet is kept."""
 
