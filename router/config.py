@@ -72,12 +72,22 @@ class RouterConfig:
     """Largest max_new_tokens / max_tokens a request may ask for (400 above)."""
     block_size: int = 16
     """Tokens per KV block; must equal the engines' page size so hashes match."""
-    overlap_weight: float = 1.0
-    """Cost per prefill block left to compute (the load term counts one per in-flight request)."""
+    overlap_weight: float = 2.0
+    """kv_aware: cost per prefill block left to compute; the load term counts 1 per block of
+    prefill work. Above 1 because a hit also spares a duplicate copy of the prefix in another
+    cache (bench/routing_quality.py, concurrency 6: 1.0 served ~6% fewer cached tokens than the
+    old request-count load, 2.0 is within run-to-run noise of it)."""
     temperature: float = 0.0
     """0: lowest cost wins; > 0: softmax sampling over -cost / temperature."""
     prediction_ttl: float = 120.0
     """Seconds a routed prompt's blocks count as held by the chosen prefill before events arrive."""
+    prediction_catch_up: float = 5.0
+    """Seconds a prediction on an instance whose events the index shows may bridge the index's
+    lag; it is dropped sooner once the index shows that prompt stored there. Instances the index
+    has never shown keep their predictions for ``prediction_ttl``."""
+    work_half_life: float = 2.0
+    """Half-life in seconds of finished prefill work in the kv_aware load term (0: count only
+    in-flight work). Spreads new conversations at low concurrency."""
     prediction_max_blocks: int = 1_000_000
     """Bound on predicted (instance, block) entries; the oldest go first past it."""
     health_interval: float = 5.0
@@ -138,7 +148,8 @@ class RouterConfig:
                      "prediction_ttl", "retry_backoff_multiplier"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("overlap_weight", "temperature", "breaker_timeout", "retry_initial_backoff",
+        for name in ("overlap_weight", "temperature", "prediction_catch_up", "work_half_life",
+                     "breaker_timeout", "retry_initial_backoff",
                      "retry_max_backoff"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -193,7 +204,12 @@ class RouterConfig:
         parser.add_argument("--overlap-weight", type=float, default=d.overlap_weight)
         parser.add_argument("--temperature", type=float, default=d.temperature,
                             help="kv_aware softmax temperature (0: argmin)")
-        parser.add_argument("--prediction-ttl", type=float, default=d.prediction_ttl)
+        parser.add_argument("--prediction-ttl", type=float, default=d.prediction_ttl,
+                            help="hard bound on a kv_aware prediction's life, seconds")
+        parser.add_argument("--prediction-catch-up", type=float, default=d.prediction_catch_up,
+                            help="seconds a prediction bridges the index's lag (default 5)")
+        parser.add_argument("--work-half-life", type=float, default=d.work_half_life,
+                            help="half-life of finished prefill work in the load term, seconds")
         parser.add_argument("--health-check-interval-secs", "--health-interval", type=float,
                             dest="health_interval", default=d.health_interval)
         parser.add_argument("--health-check-timeout-secs", type=float, dest="health_timeout",
@@ -226,7 +242,9 @@ class RouterConfig:
             decode_policy=args.decode_policy, prefill=prefill, decode=list(args.decode),
             admin_token=args.admin_token, max_body=args.max_body, block_size=args.block_size,
             overlap_weight=args.overlap_weight, temperature=args.temperature,
-            prediction_ttl=args.prediction_ttl, health_interval=args.health_interval,
+            prediction_ttl=args.prediction_ttl,
+            prediction_catch_up=args.prediction_catch_up, work_half_life=args.work_half_life,
+            health_interval=args.health_interval,
             health_timeout=args.health_timeout,
             breaker_failure_threshold=args.cb_failure_threshold,
             breaker_success_threshold=args.cb_success_threshold,

@@ -1,13 +1,50 @@
 """The kv_aware prefill policy: longest cached prefix (etcd mirror + own predictions) vs load.
 
-cost(instance) = (prompt blocks - blocks it already holds) x overlap_weight + in-flight requests.
-Lowest cost wins; equal costs go to the less loaded instance, then at random. With a temperature,
-the choice is sampled from a softmax over the normalized costs instead (Dynamo's scheme).
+Cost (Dynamo's model, every term in prefill blocks so that they compare)::
 
-Router-side prediction: the blocks of a routed prompt count as held by the chosen instance for
-``prediction_ttl`` seconds, so a burst of same-prefix requests sticks to one instance before the
-engine's KV events have made the round trip through etcd. The predictions live in a ``BlockTable``
-(the index's own structure, same lookup cost) with a bounded number of entries.
+    cost(i) = (prompt blocks - blocks i holds) x overlap_weight + load_blocks(i)
+
+(``overlap_weight`` defaults to 2: a hit saves its compute now and a duplicate of the prefix in
+another cache later; see ``RouterConfig.overlap_weight``.)
+
+Lowest cost wins; equal costs go to the instance with fewer in-flight requests, then at random.
+With a temperature the choice is sampled from a softmax over the normalized costs (Dynamo's).
+
+**Load in blocks.** ``load_blocks(i)`` is prefill work, not a request count, so that it weighs
+against the overlap term in the same unit:
+
+- *in flight*: the blocks left to compute (prompt blocks - matched) of the requests routed to
+  ``i`` that are still running. The dispatcher counts running requests in ``Worker.load``; the
+  policy keeps the work of each routed request in order and, at every decision, keeps the
+  newest ``Worker.load`` of them as running (prefills finish roughly in order). A running
+  request the policy did not route counts one block.
+- *recent*: the work of requests that finished, decayed with a half-life of ``work_half_life``
+  seconds. Without it, at concurrency 1 nothing is ever in flight when a decision is made and the
+  first block (BOS + chat header, shared by every prompt) gives whichever instance served first
+  a one-block advantage for ever: every new conversation would pile onto it and thrash its
+  cache while the others stay empty. With it, a new conversation goes to the instance that did
+  the least recent prefill work, while a real long-prefix hit (more blocks saved than the work
+  imbalance) still wins.
+
+**Router-side prediction: a bridge until the index catches up, not a second index.** The blocks
+of a routed prompt count as held by the chosen instance (so that a same-prefix burst sticks to
+one instance before the engine's KV events made the round trip through etcd) under this rule:
+
+- an instance whose events the index has never shown (no index, static workers that publish
+  nothing): predictions are the only signal and count for ``prediction_ttl`` seconds. The index
+  "shows" an instance once a lookup returns it, or once it confirms one of its predictions;
+- an instance the index knows: a prediction counts only while it is younger than
+  ``prediction_catch_up`` seconds AND the index has not yet caught up with it. The index has
+  caught up with a routed prompt once it shows the instance holding that prompt's last block
+  (which was not indexed there when it was routed). Engines publish their events in order and
+  the mirror applies them in revision order, so that also settles every older prediction for
+  that instance: those of its blocks the index does not show were evicted (or never stored)
+  and must not be resurrected. A prompt already fully indexed on the instance when routed
+  predicts nothing.
+
+``prediction_ttl`` stays the hard bound on how long any prediction is kept; the entries live in
+a ``BlockTable`` (the index's own structure, same lookup cost), ``prediction_max_blocks`` bounds
+their number.
 """
 from __future__ import annotations
 
@@ -24,14 +61,19 @@ from router.policy import Choice, Policy, RouteContext
 from router.workers import Worker
 
 Lookup = Callable[[Sequence[int], "str | None"], dict[str, int]]
+"""The block index read path: ``(prompt hashes, model) -> {instance: leading blocks held}``."""
+
+# How many of an instance's newest pending predictions one decision checks against the index.
+CONFIRM_SCAN = 8
 
 
 class Prediction:
-    """Blocks recently routed to each instance, forgotten after ``ttl`` seconds.
+    """Blocks recently routed to each instance, forgotten after ``ttl`` seconds or when settled.
 
-    Layout chosen for the garbage collector: per-instance ``{hash: expiry}`` dicts and queue
-    entries of tuples of ints hold only atomic values, so CPython stops tracking them and a full
-    collection does not walk hundreds of thousands of small objects (a latency spike per GC).
+    Per instance: a queue of routed prompts ``(time, seq, hashes)`` in routing order and
+    ``{hash: seq of the latest add}``; a block leaves the table when the newest entry that added
+    it leaves. Layout chosen for the garbage collector: dicts of ints and tuples of ints only, so
+    CPython stops tracking them and a full collection does not walk them.
     """
 
     def __init__(self, ttl: float = 120.0, max_blocks: int = 1_000_000,
@@ -40,53 +82,70 @@ class Prediction:
         self.max_blocks = max_blocks
         self._clock = clock
         self.table = BlockTable()
-        self._expiry: dict[str, dict[int, float]] = {}
+        self._added: dict[str, dict[int, int]] = {}
+        self._queues: dict[str, deque[tuple[float, int, tuple[int, ...]]]] = {}
         self._count = 0
-        self._queue: deque[tuple[float, str, tuple[int, ...]]] = deque()
+        self._seq = 0
 
     def __len__(self) -> int:
         return self._count
 
-    def add(self, instance: str, hashes: Sequence[int]) -> None:
+    def add(self, instance: str, hashes: Sequence[int]) -> int:
+        """Record ``hashes`` as routed to ``instance``; returns the entry's sequence number."""
+        self._seq += 1
         if not hashes:
-            return
+            return self._seq
         now = self._clock()
         self.expire(now)
-        until = now + self.ttl
         self.table.apply_add(instance, hashes)
-        expiry = self._expiry.get(instance)
-        if expiry is None:
-            expiry = self._expiry[instance] = {}
-        before = len(expiry)
-        expiry.update(dict.fromkeys(hashes, until))
-        self._count += len(expiry) - before
-        self._queue.append((until, instance, tuple(hashes)))
-        while self._count > self.max_blocks and self._queue:
-            self._drop(self._queue.popleft())
+        added = self._added.setdefault(instance, {})
+        before = len(added)
+        added.update(dict.fromkeys(hashes, self._seq))
+        self._count += len(added) - before
+        self._queues.setdefault(instance, deque()).append((now, self._seq, tuple(hashes)))
+        while self._count > self.max_blocks:
+            oldest = min(self._queues, key=lambda i: self._queues[i][0][1])
+            self._pop(oldest)
+        return self._seq
 
     def expire(self, now: float | None = None) -> None:
-        now = self._clock() if now is None else now
-        queue = self._queue
-        while queue and queue[0][0] <= now:
-            self._drop(queue.popleft())
+        """Drop every entry older than ``ttl``."""
+        cutoff = (self._clock() if now is None else now) - self.ttl
+        for instance in list(self._queues):
+            self.settle(instance, before=cutoff)
 
-    def _drop(self, entry: tuple[float, str, tuple[int, ...]]) -> None:
-        until, instance, hashes = entry
-        expiry = self._expiry.get(instance)
-        if expiry is None:
-            return
+    def settle(self, instance: str, before: float | None = None,
+               upto_seq: int | None = None) -> None:
+        """Drop the entries of ``instance`` routed at or before time ``before``, and those up to
+        sequence number ``upto_seq``."""
+        queue = self._queues.get(instance)
+        while queue and ((before is not None and queue[0][0] <= before)
+                         or (upto_seq is not None and queue[0][1] <= upto_seq)):
+            self._pop(instance)
+            queue = self._queues.get(instance)
+
+    def _pop(self, instance: str) -> None:
+        queue = self._queues[instance]
+        _, seq, hashes = queue.popleft()
+        added = self._added[instance]
         gone = []
         for h in hashes:
-            e = expiry.get(h)
-            # A later add refreshed this block: its own queue entry will drop it.
-            if e is not None and e <= until:
-                del expiry[h]
+            a = added.get(h)
+            # A later add refreshed this block: its own entry will drop it.
+            if a is not None and a <= seq:
+                del added[h]
                 gone.append(h)
         if gone:
             self._count -= len(gone)
             self.table.apply_remove(instance, gone)
-        if not expiry:
-            del self._expiry[instance]
+        if not queue:
+            del self._queues[instance]
+            self._added.pop(instance, None)
+
+    def first_seq(self, instance: str) -> int | None:
+        """Sequence number of ``instance``'s oldest live entry (None: it has none)."""
+        queue = self._queues.get(instance)
+        return queue[0][1] if queue else None
 
     def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
         self.expire()
@@ -94,7 +153,47 @@ class Prediction:
 
     def forget(self, instance: str) -> None:
         self.table.clear_instance(instance)
-        self._count -= len(self._expiry.pop(instance, {}))
+        self._count -= len(self._added.pop(instance, {}))
+        self._queues.pop(instance, None)
+
+
+class WorkLoad:
+    """Prefill work (blocks to compute) per instance: in flight, plus recent work decaying."""
+
+    def __init__(self, half_life: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.half_life = half_life
+        self._clock = clock
+        self._running: dict[str, deque[int]] = {}
+        self._recent: dict[str, tuple[float, float]] = {}
+
+    def add(self, instance: str, blocks: int) -> None:
+        self._running.setdefault(instance, deque()).append(blocks)
+
+    def blocks(self, worker: Worker, now: float) -> float:
+        """``worker``'s load in blocks; first retires the requests it no longer runs."""
+        running = self._running.get(worker.instance_id)
+        done = 0
+        if running:
+            keep = max(worker.load, 0)
+            while len(running) > keep:
+                done += running.popleft()
+        if done:
+            self._recent[worker.instance_id] = (self._recent_at(worker.instance_id, now) + done,
+                                                now)
+        in_flight = sum(running) if running else 0
+        # Requests the policy did not route (another router path, a retry's stale count).
+        in_flight += max(worker.load - (len(running) if running else 0), 0)
+        return in_flight + self._recent_at(worker.instance_id, now)
+
+    def _recent_at(self, instance: str, now: float) -> float:
+        value, at = self._recent.get(instance, (0.0, now))
+        if not value or self.half_life <= 0:
+            return 0.0
+        return value * 0.5 ** (max(now - at, 0.0) / self.half_life)
+
+    def forget(self, instance: str) -> None:
+        self._running.pop(instance, None)
+        self._recent.pop(instance, None)
 
 
 class KvAware(Policy):
@@ -107,28 +206,67 @@ class KvAware(Policy):
         self.config = config
         self.lookup = lookup
         self.seed = namespace_seed()
+        self._clock = clock
         self.prediction = Prediction(config.prediction_ttl, config.prediction_max_blocks, clock)
+        self.work = WorkLoad(config.work_half_life, clock)
+        # Instances whose blocks the index has shown: their predictions only bridge its lag.
+        self._indexed: set[str] = set()
+        # Per instance: (prediction seq, model, last hash) of predictions not yet confirmed.
+        self._pending: dict[str, deque[tuple[int, str | None, int]]] = {}
 
     def select(self, workers: list[Worker], ctx: RouteContext) -> Choice:
         cfg = self.config
+        now = self._clock()
         hashes = ctx.hashes(cfg.block_size, self.seed)
         n = len(hashes)
         indexed = self.lookup(hashes, ctx.model) if (self.lookup and n) else {}
+        self._indexed.update(indexed)
+        for w in workers:
+            if w.instance_id in self._indexed or w.instance_id in self._pending:
+                self._catch_up(w.instance_id, now)
         predicted = self.prediction.lookup(hashes) if n else {}
         weight = cfg.overlap_weight
         scored = []
         for w in workers:
-            m = max(indexed.get(w.instance_id, 0), predicted.get(w.instance_id, 0))
-            scored.append((float((n - m) * weight + w.load), w.load, m, w))
+            m_index = indexed.get(w.instance_id, 0)
+            m_pred = predicted.get(w.instance_id, 0)
+            m = max(m_index, m_pred)
+            # Predicted-only blocks are being (or were just) computed there by requests counted
+            # in its load: this prompt needs them anyway, so they do not delay it.
+            load = max(self.work.blocks(w, now) - max(m_pred - m_index, 0), 0.0)
+            scored.append((float((n - m) * weight + load), w.load, m, w, load, m_index))
         if cfg.temperature > 0 and len(scored) > 1:
             pick = self._sample(scored, cfg.temperature)
         else:
-            best = min((c, load) for c, load, _, _ in scored)
+            best = min((s[0], s[1]) for s in scored)
             pick = self.rng.choice([s for s in scored if (s[0], s[1]) == best])
         candidates = [{"instance_id": w.instance_id, "matched_blocks": m, "load": load,
-                       "cost": c} for c, load, m, w in sorted(scored, key=lambda s: (s[0], s[1]))]
+                       "load_blocks": round(lb, 3), "indexed_blocks": mi, "cost": c}
+                      for c, load, m, w, lb, mi in sorted(scored, key=lambda s: (s[0], s[1]))]
         return Choice(pick[3], candidates, matched_blocks=pick[2], prompt_blocks=n,
-                      hashes=hashes)
+                      hashes=hashes, indexed_blocks=pick[5], model=ctx.model)
+
+    def _catch_up(self, instance: str, now: float) -> None:
+        """Settle ``instance``'s predictions the index has caught up with or that are too old."""
+        pending = self._pending.get(instance)
+        confirmed = None
+        if pending and self.lookup is not None:
+            # The newest confirmed prediction settles every older one (events are in order).
+            for k in range(len(pending) - 1, max(len(pending) - 1 - CONFIRM_SCAN, -1), -1):
+                seq, model, last = pending[k]
+                if instance in self.lookup((last,), model):
+                    confirmed = seq
+                    self._indexed.add(instance)
+                    break
+        if instance in self._indexed:
+            self.prediction.settle(instance, before=now - self.config.prediction_catch_up,
+                                   upto_seq=confirmed)
+        if pending is not None:
+            live = self.prediction.first_seq(instance)
+            while pending and (live is None or pending[0][0] < live):
+                pending.popleft()
+            if not pending:
+                del self._pending[instance]
 
     def _sample(self, scored: list, temperature: float) -> tuple:
         costs = [s[0] for s in scored]
@@ -138,7 +276,20 @@ class KvAware(Policy):
         return self.rng.choices(scored, weights=weights, k=1)[0]
 
     def on_routed(self, choice: Choice) -> None:
-        self.prediction.add(choice.worker.instance_id, choice.hashes)
+        instance = choice.worker.instance_id
+        n = choice.prompt_blocks
+        self.work.add(instance, max(n - choice.matched_blocks, 1))
+        if not choice.hashes or choice.indexed_blocks >= n:
+            return  # fully indexed there already: a prediction could only resurrect evictions
+        seq = self.prediction.add(instance, choice.hashes)
+        if self.lookup is not None:
+            # Watched for the index's confirmation, which also tells that the index follows
+            # this instance at all (until then its predictions last the full TTL).
+            self._pending.setdefault(instance, deque()).append(
+                (seq, choice.model, choice.hashes[-1]))
 
     def forget(self, instance_id: str) -> None:
         self.prediction.forget(instance_id)
+        self.work.forget(instance_id)
+        self._indexed.discard(instance_id)
+        self._pending.pop(instance_id, None)

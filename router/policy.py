@@ -38,6 +38,10 @@ class Choice:
     matched_blocks: int = 0
     prompt_blocks: int = 0
     hashes: list[int] = field(default_factory=list)
+    indexed_blocks: int = 0
+    """Of ``matched_blocks``, those the block index shows (the rest are router predictions)."""
+    model: str | None = None
+    """The request's model (its index namespace)."""
 
 
 class Policy(ABC):

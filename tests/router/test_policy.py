@@ -43,6 +43,7 @@ class Clock:
 
 def make_kv(table: BlockTable | None = None, **kw: object) -> tuple[KvAware, Clock]:
     clock = Clock()
+    kw.setdefault("overlap_weight", 1.0)  # the costs below are worked out at weight 1
     cfg = RouterConfig(**kw)  # type: ignore[arg-type]
     lookup = (lambda hashes, model: table.lookup(hashes)) if table is not None else None
     return KvAware(cfg, lookup, random.Random(7), clock), clock
