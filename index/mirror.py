@@ -34,6 +34,7 @@ from index.errors import EtcdCompacted, EtcdError, EtcdRequestError
 from index.etcd import EtcdClient, WatchBatch
 from index.keys import KeyLayout, validate_instance_id, validate_model
 from index.lease import Backoff
+from index.liveness import WatchLiveness
 from index.table import GPU, BlockTable
 from index.writer import parse_hash_tail
 
@@ -49,12 +50,18 @@ class BlockMirrorConfig:
     (for ``revision_lag``)."""
     lag_samples: int = 8192
     """Recent per-put lag samples kept for the p50/p99 of ``lag_stats()``."""
+    stale_after: float = 3.0
+    """Seconds without a watch response or a successful quorum read after which ``connected``
+    turns False (and a silent watch is reopened). Must exceed ``progress_every``."""
 
     def __post_init__(self) -> None:
         if not 0.01 <= self.progress_every <= 60:
             raise ValueError(f"progress_every must be within [0.01, 60] s, got {self.progress_every}")
         if self.lag_samples < 1:
             raise ValueError(f"lag_samples must be >= 1, got {self.lag_samples}")
+        if not self.progress_every < self.stale_after <= 600:
+            raise ValueError(f"stale_after must be within (progress_every, 600] s, "
+                             f"got {self.stale_after}")
 
 
 class BlockMirror:
@@ -93,6 +100,8 @@ class BlockMirror:
         self.errors = 0
         """Batches or reloads that failed unexpectedly (each answered with a reload)."""
         self._emptied = False
+        self.liveness = WatchLiveness(client, self.prefix, self.config.stale_after,
+                                      self.config.progress_every)
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -122,6 +131,12 @@ class BlockMirror:
         return self.table(model).instances()
 
     @property
+    def connected(self) -> bool:
+        """True while the watch answers and a quorum read succeeds; False after an etcd error,
+        while reconnecting, or when etcd lost quorum (the mirror then serves its last state)."""
+        return self.ready and self.liveness.connected
+
+    @property
     def revision_lag(self) -> int:
         """Revisions between etcd's newest known revision and the last applied one."""
         return max(0, self.store_revision - self.revision)
@@ -140,7 +155,8 @@ class BlockMirror:
 
     def stats(self) -> dict[str, object]:
         return {
-            "model": self.model, "ready": self.ready, "revision": self.revision,
+            "model": self.model, "ready": self.ready, "connected": self.connected,
+            "revision": self.revision,
             "store_revision": self.store_revision, "revision_lag": self.revision_lag,
             "blocks": {m: len(t) for m, t in self.tables.items()},
             "puts": self.puts, "deletes": self.deletes, "batches": self.batches,
@@ -191,6 +207,14 @@ class BlockMirror:
 
     async def run(self) -> None:
         """Follow etcd until cancelled. Never raises on etcd trouble: resumes or reloads."""
+        probe = asyncio.create_task(self.liveness.probe(), name=f"block-mirror-probe-{self.model}")
+        try:
+            await self._follow()
+        finally:
+            probe.cancel()
+            await asyncio.gather(probe, return_exceptions=True)
+
+    async def _follow(self) -> None:
         backoff = Backoff()
         reload = True
         while True:
@@ -200,11 +224,27 @@ class BlockMirror:
                     reload = False
                 # aclosing: a batch that fails to apply must close the stream now, not at GC.
                 async with contextlib.aclosing(self._watch()) as watch:
-                    async for batch in watch:
+                    it = aiter(watch)
+                    while True:
+                        try:
+                            # Progress requests keep a healthy watch talking: silence means the
+                            # stream hangs without an error, so reopen it. (asyncio.timeout, not
+                            # wait_for: the generator must be cancelled in this task.)
+                            async with asyncio.timeout(self.config.stale_after):
+                                batch = await anext(it)
+                        except StopAsyncIteration:
+                            break
                         self._on_batch(batch)
                         backoff.reset()
             except asyncio.CancelledError:
                 raise
+            except asyncio.TimeoutError:
+                self.disconnects += 1
+                self.liveness.broke()
+                self.last_error = f"watch silent for {self.config.stale_after:g} s"
+                logger.warning("block mirror %s: watch silent for %.1f s at revision %d; reopening",
+                               self.model, self.config.stale_after, self.revision)
+                self.resumes += 1
             except EtcdCompacted as exc:
                 self.compactions += 1
                 logger.warning("block mirror %s: revision %d compacted (up to %d); reloading",
@@ -214,6 +254,7 @@ class BlockMirror:
                 # RESOURCE_EXHAUSTED: a watch response larger than the gRPC message limit (a huge
                 # lease expiry without fragmenting). Resuming would hit the same response again.
                 self.disconnects += 1
+                self.liveness.broke()
                 self.last_error = str(exc)
                 reload = reload or "RESOURCE_EXHAUSTED" in str(exc)
                 logger.warning("block mirror %s: etcd refused the watch at revision %d (%s): %s",
@@ -222,6 +263,7 @@ class BlockMirror:
                 await asyncio.sleep(backoff.next())
             except EtcdError as exc:
                 self.disconnects += 1
+                self.liveness.broke()
                 self.last_error = str(exc)
                 logger.warning("block mirror %s: watch broke at revision %d, resuming: %s",
                                self.model, self.revision, exc)
@@ -232,6 +274,7 @@ class BlockMirror:
                 # A bug or an input nobody foresaw: the mirror may be half-applied, so start over
                 # from a snapshot rather than die while ``ready`` still says True.
                 self.errors += 1
+                self.liveness.broke()
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 logger.exception("block mirror %s: failed at revision %d; reloading",
                                  self.model, self.revision)
@@ -268,6 +311,7 @@ class BlockMirror:
         self.store_revision = max(self.store_revision, revision)
         self.reloads += 1
         self.ready = True
+        self.liveness.heard()
         self._ready.set()
         self._advanced.set()
         logger.info("block mirror %s loaded %d keys at revision %d", self.model, len(kvs), revision)
@@ -280,6 +324,7 @@ class BlockMirror:
         # overtake events of lower revisions still on their way (etcd issue 15220), so trusting
         # it could make a resume skip them.
         self.store_revision = max(self.store_revision, batch.revision)
+        self.liveness.heard()
         if batch.events:
             self.batches += 1
             self._apply(batch)

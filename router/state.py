@@ -85,8 +85,10 @@ class RouterState:
             return {"state": "starting"}
         disc = self.discovery.stats() if self.discovery else {}
         # Discovery follows the same etcd: when it is degraded, the mirror is not updating either.
-        stale = disc.get("state") == "degraded"
+        # A mirror that lost its watch or quorum serves its last state: routing goes on, flagged.
+        stale = disc.get("state") == "degraded" or (mirror.ready and not mirror.connected)
         return {"state": ("stale" if stale else "live") if mirror.ready else "loading",
+                "connected": mirror.connected,
                 "blocks": sum(len(t) for t in mirror.tables.values()),
                 "revision": mirror.revision, "revision_lag": mirror.revision_lag,
                 "disconnects": mirror.disconnects, "last_error": mirror.last_error,

@@ -3,7 +3,9 @@ the engine worker's settings plus ranks, bootstrap, transfer and etcd."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import socket
 import uuid
 from dataclasses import dataclass, field
 
@@ -15,6 +17,9 @@ from transfer import BACKENDS, TransferConfig
 from transfer.layout import DTYPES
 
 LOAD_BALANCE = ("follow_bootstrap_room", "round_robin")
+AUTH_TOKEN_ENV = "KVATLAS_AUTH_TOKEN"
+"""Environment variable read when ``--auth-token`` is not given (keeps it out of ``ps``)."""
+WILDCARDS = ("0.0.0.0", "::", "")
 _ADDR = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 
 
@@ -57,6 +62,14 @@ class PDConfig:
     """Decode: finished rooms kept for ``/debug/rooms/{room}``."""
     room_log_ttl_s: float = 600.0
     """Decode: seconds a finished room stays readable."""
+    auth_token: str | None = None
+    """Bootstrap write token. Prefill: its bootstrap server refuses PUT/POST without
+    ``Authorization: Bearer <token>``, and its ranks send it with ``PUT /route`` and
+    ``/register_dp_rank``. Decode: sent with POSTs to prefill bootstrap servers
+    (``/query_dp_ranks``). None: no auth (only safe on a private network)."""
+    advertise_host: str | None = None
+    """The host peers dial: the etcd record's ``url``, the bootstrap address and the ranks'
+    ``rank_ip``. Default: ``--host``, or this machine's name when ``--host`` is a wildcard."""
 
     def __post_init__(self) -> None:
         if self.engine.mode not in ("prefill", "decode"):
@@ -87,6 +100,14 @@ class PDConfig:
             raise ValueError(f"--transfer-backend must be zmq or cuda_ipc")
         if not 0 <= self.bootstrap_port < 65536:
             raise ValueError(f"--bootstrap-port must be in 0..65535, got {self.bootstrap_port}")
+        if self.auth_token is not None and (not self.auth_token
+                                            or any(c.isspace() for c in self.auth_token)):
+            raise ValueError("--auth-token must be non-empty without whitespace; omit it (and "
+                             f"{AUTH_TOKEN_ENV}) to turn bootstrap auth off")
+        if self.advertise_host is not None and (not self.advertise_host.strip()
+                                                or self.advertise_host in WILDCARDS):
+            raise ValueError(f"--advertise-host must be a host peers can dial, got "
+                             f"{self.advertise_host!r}")
         if self.instance_id is None:
             self.instance_id = f"{self.engine.mode}-{uuid.uuid4().hex[:8]}"
         validate_instance_id(self.instance_id)
@@ -99,6 +120,15 @@ class PDConfig:
     def kv_dtype(self) -> str:
         return self.engine.model_config.dtype if self.kv_cache_dtype == "auto" \
             else self.kv_cache_dtype
+
+    @property
+    def public_host(self) -> str:
+        """The host peers dial (see ``advertise_host``)."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.engine.host in WILDCARDS:
+            return socket.getfqdn()  # a wildcard is not dialable
+        return self.engine.host
 
     @property
     def world_size(self) -> int:
@@ -120,6 +150,13 @@ class PDConfig:
         g.add_argument("--nnodes", type=int, default=1, help="nodes of this instance")
         g.add_argument("--node-rank", type=int, default=0, help="this node's index")
         g.add_argument("--dist-init-addr", default=None, help="torch.distributed HOST:PORT")
+        g.add_argument("--auth-token", default=None,
+                       help="bootstrap write token (prefill: required on its bootstrap server's "
+                            "PUT/POST and sent by its ranks; decode: sent to bootstrap servers); "
+                            f"default: ${AUTH_TOKEN_ENV} when set")
+        g.add_argument("--advertise-host", default=None,
+                       help="host peers dial (etcd url, bootstrap host, rank_ip); default: "
+                            "--host, or this machine's name when --host is a wildcard")
         TransferConfig.add_cli_args(parser)
 
     @classmethod
@@ -131,4 +168,6 @@ class PDConfig:
                    kv_cache_dtype=args.kv_cache_dtype, transfer_backend=args.transfer_backend,
                    transfer=TransferConfig.from_cli_args(args), etcd=etcd,
                    etcd_prefix=args.etcd_prefix, lease_ttl=args.lease_ttl, nnodes=args.nnodes,
-                   node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
+                   node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
+                   auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
+                   advertise_host=args.advertise_host)

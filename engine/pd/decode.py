@@ -5,7 +5,9 @@ Per room it records the furthest stage reached (``engine.pd.rooms``), readable a
 ``GET /debug/rooms/{room}``. Pages are reserved on every TP rank (replicated scheduler call) before
 the transfer and given back on any failure, so a failed or abandoned transfer leaves the pool as
 it was. A heartbeat per prefill instance (its bootstrap ``/health`` plus a data-plane ping of each
-connected rank) fails that prefill's in-flight rooms after ``heartbeat_max_misses`` misses.
+connected rank) fails that prefill's in-flight rooms after ``heartbeat_max_misses`` misses. With
+etcd, a prefill restarted under the same address is noticed from its instance record
+(``engine.pd.restarts``) and its cached topology, ranks and connections are dropped at once.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from bootstrap.client import BootstrapClient
+from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from engine import server as mono
 from engine.errors import BadRequest
 from engine.http_common import (STATE_KEY, EngineState, error_middleware, read_body, sse_response,
@@ -33,6 +35,7 @@ from engine.pd.fetch import DecodeRank, FetchError
 from engine.pd.prefill import CFG_KEY, RANKS_KEY, RankContext
 from engine.pd.registration_decode import DecodeRecord
 from engine.pd.replica import ReplicatedScheduler
+from engine.pd.restarts import PrefillRestarts
 from engine.pd.rooms import RoomLog, RoomRecord
 from engine.pd.uplink import UplinkServer
 from engine.protocol import parse_generate
@@ -189,6 +192,15 @@ def ensure_monitor(ds: DecodeState, boot: Bootstrap) -> None:
     ds.monitors[addr] = asyncio.create_task(mon.run(), name=f"heartbeat-{addr}")
 
 
+async def forget_prefill(ds: DecodeState, addr: str, reason: str) -> None:
+    """The process behind bootstrap ``addr`` changed: drop what every decode rank cached."""
+    rooms = ds.rank.fail_prefill(addr, f"prefill {addr} restarted: {reason}")
+    if rooms:
+        log.warning("prefill %s restarted (%s); failed rooms %s", addr, reason, rooms)
+    if ds.ranks.info.tp_size > 1:
+        await ds.engine.call(ds.replica.transfer, ("fail_prefill", addr, reason))
+
+
 def meta(rid: str, out: Any, started: float, room: int) -> dict[str, Any]:
     return {**mono.meta_info(rid, out, started), "bootstrap_room": room}
 
@@ -268,7 +280,7 @@ async def decode_ctx(app: web.Application) -> AsyncIterator[None]:
         dist.group_broadcast(uplink.address)
     receiver = create_receiver(cfg.transfer_backend, cfg.transfer, layout, sched.pool.kv)
     await receiver.start()
-    client = BootstrapClient()
+    client = BootstrapClient(BootstrapClientConfig(auth_token=cfg.auth_token))
     await client.start()
     engine = AsyncEngine(replica)  # type: ignore[arg-type]
     ds = DecodeState(cfg, ranks, engine, replica, DecodeRank(cfg, info, receiver, client),
@@ -281,12 +293,19 @@ async def decode_ctx(app: web.Application) -> AsyncIterator[None]:
                                      make_registry(engine, cfg.engine.model_name), model_path,
                                      time.time())
         await engine.start()
+        restarts: asyncio.Task[None] | None = None
         if record is not None:
             await record.start()
+            watch = PrefillRestarts(record.client, record.layout,
+                                    lambda addr, why: forget_prefill(ds, addr, why))
+            restarts = asyncio.create_task(watch.run(), name="decode-prefill-restarts")
         log.info("decode %s rank %s ready", cfg.instance_id, info.name)
         try:
             yield
         finally:
+            if restarts is not None:
+                restarts.cancel()
+                await asyncio.gather(restarts, return_exceptions=True)
             if record is not None:
                 await record.close()
             for task in ds.monitors.values():

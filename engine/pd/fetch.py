@@ -3,6 +3,12 @@ reads, connect, receive (room and checksum validated before any page is written)
 
 Each step names the stage it belongs to, so a failure says where it stopped and which rank was
 involved. Topologies and rank addresses are cached per bootstrap address by the client.
+
+Cached state can be stale: a prefill restarted on the same address has new ranks that know none
+of this decode's registrations. When resolving or connecting fails while state for the address
+was cached, that state is dropped and the room resolved once more before the request fails.
+(A failure inside ``receive`` is not retried: the receiver takes a room only once, and the
+room's KV may already be partly written.)
 """
 from __future__ import annotations
 
@@ -51,6 +57,8 @@ class DecodeRank:
     client: BootstrapClient
     endpoints: dict[str, set[str]] = field(default_factory=dict)
     """Prefill rank endpoints this rank connected to, per bootstrap address."""
+    retries: int = 0
+    """Rooms resolved a second time after cached state for their prefill failed."""
 
     @property
     def rank(self) -> str:
@@ -60,6 +68,22 @@ class DecodeRank:
                     guard: Callable[[], str | None] | None = None) -> ReceiveResult:
         """Fetch ``boot.room`` into ``pages``; ``guard`` (checked right before the receive
         starts) returns a reason when the room was aborted meanwhile."""
+        cached = (self.client.cached_topology(boot.host, boot.port) is not None
+                  or boot.addr in self.endpoints)
+        try:
+            return await self._fetch_once(boot, pages, on_stage, guard)
+        except FetchError as exc:
+            if not cached or exc.stage == "verified":
+                raise
+            log.info("room %s: %s with cached state for prefill %s; re-resolving once",
+                     boot.room, exc.reason, boot.addr)
+            self.drop(boot.addr)
+            self.retries += 1
+            await asyncio.sleep(0)  # the receiver forgets the dropped peers in a task of its own
+            return await self._fetch_once(boot, pages, on_stage, guard)
+
+    async def _fetch_once(self, boot: Bootstrap, pages: list[int], on_stage: OnStage | None,
+                          guard: Callable[[], str | None] | None) -> ReceiveResult:
         note = on_stage or (lambda stage, info: None)
         stage, peer = "resolved_topology", boot.addr
         try:
@@ -108,6 +132,11 @@ class DecodeRank:
                 raise TransferError(boot.room, "the prefill never announced a DP rank for this "
                                     "room (/query_dp_ranks)")
             await asyncio.sleep(0.01)
+
+    def drop(self, addr: str) -> None:
+        """Forget the cached topology and ranks of bootstrap ``addr``; its connections are
+        registered again on next use (rooms in flight on them fail: that process is gone)."""
+        self.fail_prefill(addr, f"cached state of prefill {addr} was stale")
 
     def fail_prefill(self, addr: str, reason: str) -> list[int]:
         """The prefill instance at bootstrap ``addr`` is gone: fail its rooms here, drop the

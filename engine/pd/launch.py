@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from bootstrap.client import BootstrapClient
+from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from engine.pd.common import Bootstrap, build_rank
 from engine.pd.config import PDConfig
 from engine.pd.dist import Dist, RankInfo, die_with_parent, local_world_ranks
@@ -28,6 +28,7 @@ from engine.pd.registration import put_route, route_body
 from engine.pd.replica import follow, loop_handoff
 from engine.pd.uplink import UplinkClient
 from transfer import TensorPageSource, TransferError, create_receiver, create_sender
+from transfer.tuning import tune_host_allocator
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ def _child(cfg: PDConfig, world_rank: int, init_addr: str | None) -> None:
 
 
 def run_rank(cfg: PDConfig, world_rank: int, init_addr: str | None) -> None:
+    # Before the ZMQ context and its I/O thread exist: one malloc arena lets received KV frames
+    # reuse memory instead of re-faulting fresh pages on every transfer (bench/transfer.py).
+    tune_host_allocator()
     import torch
 
     if cfg.engine.torch_threads is not None:
@@ -120,8 +124,9 @@ async def follower_main(cfg: PDConfig, info: RankInfo, dist: Dist, boot: Bootstr
                                TensorPageSource(sched.pool.kv, layout), host=cfg.engine.host)
         await sender.start()
         closers.append(sender.close)
-        rank_ip, rank_port = sender.rank_address
-        await put_route(f"http://{boot.addr}", route_body(cfg, info, rank_ip, rank_port))
+        _, rank_port = sender.rank_address
+        await put_route(f"http://{boot.addr}", route_body(cfg, info, cfg.public_host, rank_port),
+                        token=cfg.auth_token)
 
         async def on_op(op: tuple[Any, ...]) -> None:
             if op[0] != "send":
@@ -136,7 +141,7 @@ async def follower_main(cfg: PDConfig, info: RankInfo, dist: Dist, boot: Bootstr
     else:
         receiver = create_receiver(cfg.transfer_backend, cfg.transfer, layout, sched.pool.kv)
         await receiver.start()
-        client = BootstrapClient()
+        client = BootstrapClient(BootstrapClientConfig(auth_token=cfg.auth_token))
         await client.start()
         closers += [receiver.close, client.close]
         rank = DecodeRank(cfg, info, receiver, client)

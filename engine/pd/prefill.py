@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from bootstrap.client import BootstrapClient
+from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from bootstrap.config import BootstrapConfig
 from bootstrap.server import STATE as BOOTSTRAP_STATE
 from bootstrap.server import create_app as create_bootstrap_app
@@ -228,9 +228,10 @@ async def prefill_ctx(app: web.Application) -> AsyncIterator[None]:
     boot_runner = feed = writer = None
     subs: list[KVEventSubscriber] = []
     if info.world_rank == 0:
-        url = f"http://{cfg.engine.host}:{cfg.engine.port}"
+        url = f"http://{cfg.public_host}:{cfg.engine.port}"
         bcfg = BootstrapConfig(instance_id=cfg.instance_id or "", model=cfg.engine.model_name,
                                host=cfg.engine.host, port=bport, etcd=cfg.etcd,
+                               advertise_host=cfg.public_host, auth_token=cfg.auth_token,
                                etcd_prefix=cfg.etcd_prefix, lease_ttl=cfg.lease_ttl,
                                instance_fields={"url": url, "tp_size": info.tp_size,
                                                 "dp_size": info.dp_size})
@@ -257,11 +258,13 @@ async def prefill_ctx(app: web.Application) -> AsyncIterator[None]:
         await publisher.start()
         sink = publisher.drain
     engine = AsyncEngine(replica, event_sink=sink)  # type: ignore[arg-type]
-    rank_ip, rank_port = sender.rank_address
+    _, rank_port = sender.rank_address
     http_port = int(ranks.dp_urls[0].rsplit(":", 1)[1]) if ranks.dp_urls else None
+    # Decodes dial rank_ip: the advertised host, not the (possibly wildcard) bind address.
     await put_route(f"http://{cfg.engine.host}:{bport}",
-                    route_body(cfg, info, rank_ip, rank_port, http_port))
-    bclient = BootstrapClient()
+                    route_body(cfg, info, cfg.public_host, rank_port, http_port),
+                    token=cfg.auth_token)
+    bclient = BootstrapClient(BootstrapClientConfig(auth_token=cfg.auth_token))
     await bclient.start()
     ps = PrefillState(cfg, ranks, engine, replica, sender, uplink, session, writer, bclient)
     app[PREFILL_KEY] = ps

@@ -39,14 +39,17 @@ def route_body(cfg: PDConfig, info: RankInfo, rank_ip: str, rank_port: int,
 
 
 async def put_route(bootstrap_url: str, body: dict[str, Any], tries: int = PUT_TRIES,
-                    first_delay: float = 0.2) -> None:
+                    first_delay: float = 0.2, token: str | None = None) -> None:
     """``PUT /route``, retried ``tries`` times with doubling backoff (the server may still be
-    starting on node 0). Raises RuntimeError naming the last failure."""
+    starting on node 0); ``token``: the bootstrap write token, sent as a bearer token. Raises
+    RuntimeError naming the last failure."""
     delay, last = first_delay, ""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         for attempt in range(1, tries + 1):
             try:
-                async with session.put(f"{bootstrap_url}/route", json=body) as resp:
+                async with session.put(f"{bootstrap_url}/route", json=body,
+                                       headers=headers) as resp:
                     text = await resp.text()
                     if resp.status == 200:
                         return
@@ -59,8 +62,10 @@ async def put_route(bootstrap_url: str, body: dict[str, Any], tries: int = PUT_T
             if attempt < tries:
                 await asyncio.sleep(delay)
                 delay *= 2
+    hint = ("; check that every rank of the instance got the same --auth-token"
+            if last.startswith("HTTP 401") else "; check --bootstrap-port and that node 0 is up")
     raise RuntimeError(f"rank could not register with the bootstrap server {bootstrap_url}: "
-                       f"{last}; check --bootstrap-port and that node 0 is up")
+                       f"{last}{hint}")
 
 
 class EventFeed:

@@ -28,7 +28,7 @@ class DecodeRecord:
         e = cfg.engine
         self.keys.set(self.layout.instance(cfg.instance_id), dumps({
             "instance_id": cfg.instance_id, "role": "decode", "model": e.model_name,
-            "url": f"http://{e.host}:{e.port}", "tp_size": info.tp_size,
+            "url": f"http://{cfg.public_host}:{e.port}", "tp_size": info.tp_size,
             "page_size": e.page_size, "kv_cache_dtype": cfg.kv_dtype, "ready": True,
             "started_at": time.time()}))
         self._tasks: list[asyncio.Task[None]] = []

@@ -228,6 +228,11 @@ class Topology:
         return ["engine", "serve", "--model", self.model, "--host", net.listen_host,
                 "--port", str(net.port(name, "http"))]
 
+    def _pd_flags(self, net: Network, name: str) -> list[str]:
+        """Prefill and decode alike: the host peers dial (etcd url, bootstrap host, rank_ip)
+        and the bootstrap write token (required by prefills, sent by decodes)."""
+        return ["--advertise-host", net.host(name), "--auth-token", str(self.auth_token)]
+
     def _prefill(self, net: Network, name: str) -> Service:
         port = net.port(name, "http")
         extra: dict[str, int] = {}
@@ -239,7 +244,8 @@ class Topology:
             args = [*self._common_engine(net, name), "--mode", "prefill",
                     "--tp", str(self.prefill_tp), "--dp", str(self.prefill_dp),
                     "--bootstrap-port", str(boot), "--instance-id", name,
-                    "--lease-ttl", str(self.lease_ttl), *self._etcd_args(net)]
+                    "--lease-ttl", str(self.lease_ttl), *self._pd_flags(net, name),
+                    *self._etcd_args(net)]
         return Service(name, "prefill", args, net.host(name), port, "/health",
                        depends_on=self.etcd_names(), extra_ports=extra)
 
@@ -250,7 +256,8 @@ class Topology:
         else:
             args = [*self._common_engine(net, name), "--mode", "decode",
                     "--tp", str(self.decode_tp), "--instance-id", name,
-                    "--lease-ttl", str(self.lease_ttl), *self._etcd_args(net)]
+                    "--lease-ttl", str(self.lease_ttl), *self._pd_flags(net, name),
+                    *self._etcd_args(net)]
         return Service(name, "decode", args, net.host(name), port, "/health",
                        depends_on=self.etcd_names())
 

@@ -13,8 +13,7 @@ import pytest
 from kvatlas.launcher.supervisor import LocalCluster
 from kvatlas.launcher.topology import Topology
 
-LEASE_TTL = 3
-HEALTH_INTERVAL = 1.0
+from fault_helpers import HEALTH_INTERVAL, LEASE_TTL
 
 
 @pytest.fixture

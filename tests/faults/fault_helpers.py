@@ -14,6 +14,10 @@ from kvatlas.launcher.state import ClusterState
 
 SYSTEM = ("You are a careful assistant. Answer in one sentence, cite nothing, and be kind to the "
           "user whatever they ask. ")
+LEASE_TTL = 3
+"""Instance lease TTL of the fault clusters: faults show within seconds."""
+HEALTH_INTERVAL = 1.0
+"""Router health interval of the fault clusters."""
 CLIENT_TIMEOUT = 30.0
 """A request that takes longer than this counts as hung."""
 

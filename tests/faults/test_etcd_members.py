@@ -73,11 +73,6 @@ async def test_member_loss_quorum_loss_and_recovery(
     assert stale == 0.0 and index_state == "live"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "router gap: index_detail() marks the index stale only when instance discovery is "
-    "'degraded', and discovery's watch (no progress requests) hangs silently on a leaderless "
-    "member; the block mirror sees the failures (disconnects, last_error) but exposes no "
-    "connected/last-ok state. See the #7 report for the exact change."))
 async def test_quorum_loss_is_flagged_stale(pd_cluster: Callable[..., LocalCluster]) -> None:
     cluster = pd_cluster(etcd_members=3)
     router = cluster.state.router["url"]
@@ -88,3 +83,14 @@ async def test_quorum_loss_is_flagged_stale(pd_cluster: Callable[..., LocalClust
         return await _stale_flags(router) == (1.0, "stale")
 
     await wait_for(flagged, 15.0, interval=0.25)
+    # Stale, yet routing goes on from the last known index.
+    decision = await route(router, SYSTEM + "Still routed?")
+    assert decision["prefill"]["instance_id"]
+
+    cluster.restart("etcd1")
+    cluster.restart("etcd2")
+
+    async def live() -> bool:
+        return await _stale_flags(router) == (0.0, "live")
+
+    await wait_for(live, 30.0, interval=0.25)

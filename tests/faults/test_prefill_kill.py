@@ -6,8 +6,8 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import HEALTH_INTERVAL, LEASE_TTL
-from fault_helpers import SYSTEM, CLIENT_TIMEOUT, Traffic, etcd_keys, route, wait_for
+from fault_helpers import (CLIENT_TIMEOUT, HEALTH_INTERVAL, LEASE_TTL, SYSTEM, Traffic,
+                           etcd_keys, route, wait_for)
 
 from kvatlas.launcher.supervisor import LocalCluster
 

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import aiohttp
 import pytest
-from conftest import LEASE_TTL
-from fault_helpers import SYSTEM, Traffic, etcd_keys, generate, get_json, route, wait_for
+from fault_helpers import (LEASE_TTL, SYSTEM, Traffic, etcd_keys, generate, get_json, route,
+                           wait_for)
 
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, loads
@@ -119,10 +119,6 @@ async def test_prefill_restart_same_id_replaces_keys_and_resyncs(
     await wait_for(events_resynced, 10.0, interval=0.2)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine gap (#5): the decode keeps the restarted prefill's cached rank addresses and "
-    "connections until two heartbeats miss (~10 s), so the first transfer after the restart "
-    "fails instead of re-resolving the ranks"))
 async def test_decode_reconnects_to_a_restarted_prefill(
         pd_cluster: Callable[..., LocalCluster]) -> None:
     cluster = pd_cluster()

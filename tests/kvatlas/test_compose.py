@@ -75,8 +75,16 @@ def test_health_gates_and_loopback_publishing() -> None:
 
 
 def test_secrets_are_required_not_defaulted() -> None:
-    cmd = " ".join(compose_document()["services"]["router"]["command"])
+    services = compose_document()["services"]
+    cmd = " ".join(services["router"]["command"])
     assert "${KVATLAS_ADMIN_TOKEN:?" in cmd
+    # Bootstrap writes are guarded: every prefill requires the token, every decode sends it.
+    for name in ("prefill-0", "prefill-1", "decode-0"):
+        args = services[name]["command"]
+        token = args[args.index("--auth-token") + 1]
+        assert token.startswith("${KVATLAS_AUTH_TOKEN:?"), (name, token)
+        # Peers dial the service name (etcd url, bootstrap host, rank_ip), not 0.0.0.0.
+        assert args[args.index("--advertise-host") + 1] == name
 
 
 def test_docker_compose_config_validates() -> None:
@@ -96,6 +104,11 @@ def test_docker_compose_config_validates() -> None:
     out = subprocess.run([tool, "-f", str(COMPOSE), "config"], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode != 0 and "KVATLAS_ADMIN_TOKEN" in out.stderr
+    env["KVATLAS_ADMIN_TOKEN"] = "admin-token-1"
+    env.pop("KVATLAS_AUTH_TOKEN")
+    out = subprocess.run([tool, "-f", str(COMPOSE), "config"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "KVATLAS_AUTH_TOKEN" in out.stderr
 
 
 def test_every_generated_command_parses_with_the_real_cli() -> None:

@@ -128,3 +128,48 @@ async def test_static_workers_serve_while_etcd_is_unreachable(aiohttp_client: An
     assert detail["index"]["state"] in ("starting", "loading", "stale")
     metrics = await (await client.get("/metrics")).text()
     assert "kvatlas_router_index_ready 0.0" in metrics
+
+
+async def test_quorum_loss_degrades_discovery_and_keeps_pools(etcd_cluster3: Any) -> None:
+    """A leaderless member keeps the watch open (and answers progress requests): the quorum
+    probe turns discovery "degraded" within seconds; pools stay as last known; it syncs back."""
+    import asyncio
+    import time
+
+    from index.etcd import EtcdClient, EtcdSettings
+    from index.keys import KeyLayout, dumps
+    from router.discovery import InstanceDiscovery
+    from router.workers import PREFILL, WorkerPools
+
+    layout = KeyLayout(prefix="/disc-quorum")
+    settings = EtcdSettings.from_text(etcd_cluster3.endpoints, timeout=2.0)
+    async with EtcdClient(settings) as client:
+        await client.put(layout.instance("p0"), dumps({
+            "role": "prefill", "url": "http://127.0.0.1:9", "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": 8998, "model": "tiny"}))
+        pools = WorkerPools(RouterConfig())
+        disc = InstanceDiscovery(client, layout, pools, "tiny", progress_every=0.2,
+                                 stale_after=1.5)
+        task = asyncio.create_task(disc.run())
+
+        async def until(state: str, timeout: float) -> float:
+            t0 = time.monotonic()
+            while disc.state != state:
+                assert time.monotonic() - t0 < timeout, f"discovery never {state}: {disc.stats()}"
+                await asyncio.sleep(0.05)
+            return time.monotonic() - t0
+
+        try:
+            assert await disc.wait_synced(10)
+            await asyncio.sleep(3.0)  # healthy etcd: stays synced (progress + probes)
+            assert disc.state == "synced" and pools.get(PREFILL, "p0") is not None
+            for member in etcd_cluster3.members[1:]:
+                member.kill()
+            assert await until("degraded", 10.0) < 10.0
+            assert pools.get(PREFILL, "p0") is not None, "pools kept as last known"
+            for member in etcd_cluster3.members[1:]:
+                member.start()
+            await until("synced", 30.0)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,65 @@
+"""The decode notices a prefill restarted under the same address from its etcd instance record
+(real etcd): a new ``started_at`` names the bootstrap address, also when the old record expired
+first; updates of the same process (ranks registering, ready flips) and a lone delete do not."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine.pd.restarts import PrefillRestarts
+from index.etcd import EtcdClient
+from index.keys import KeyLayout, dumps
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _record(started_at: float, ready: bool = True, role: str = "prefill") -> bytes:
+    return dumps({"instance_id": "p0", "role": role, "url": "http://127.0.0.1:1",
+                  "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998,
+                  "started_at": started_at, "ready": ready})
+
+
+async def test_new_process_and_vanished_record_are_reported(etcd: EtcdClient,
+                                                           layout: KeyLayout) -> None:
+    seen: list[tuple[str, str]] = []
+
+    async def on_change(addr: str, reason: str) -> None:
+        seen.append((addr, reason))
+
+    key = layout.instance("p0")
+    await etcd.put(key, _record(1.0))
+    await etcd.put(layout.instance("d0"), _record(1.0, role="decode"))
+    watch = PrefillRestarts(etcd, layout, on_change, progress_every=0.5)
+    task = asyncio.create_task(watch.run())
+
+    async def until(n: int) -> None:
+        t0 = time.monotonic()
+        while len(seen) < n:
+            assert time.monotonic() - t0 < 5, seen
+            await asyncio.sleep(0.02)
+
+    try:
+        t0 = time.monotonic()
+        while key not in watch.known:
+            assert time.monotonic() - t0 < 5
+            await asyncio.sleep(0.02)
+        await etcd.put(key, _record(1.0, ready=False))  # same process: not a restart
+        await etcd.put(layout.instance("d0"), _record(2.0, role="decode"))  # decodes: ignored
+        await etcd.put(key, _record(2.0))  # a new process under the same id
+        await until(1)
+        assert seen[0][0] == "127.0.0.1:8998" and "new process" in seen[0][1]
+        await etcd.delete(key)  # lease expired: maybe only etcd trouble, not acted on
+        await etcd.put(key, _record(2.0))  # the same process publishes again
+        await asyncio.sleep(0.3)
+        assert len(seen) == 1
+        await etcd.delete(key)
+        await etcd.put(key, _record(3.0))  # a new process after the old record expired
+        await until(2)
+        assert seen[1][0] == "127.0.0.1:8998" and "new process" in seen[1][1]
+        await asyncio.sleep(0.2)
+        assert len(seen) == 2 and watch.changes == 2
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,66 @@
+"""``BlockMirror.connected``: True while etcd answers; False once quorum is lost (a leaderless
+member keeps the watch open and even answers progress requests, so only a quorum read tells),
+with the last known blocks still served; True again after the members return."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from index.etcd import EtcdClient, EtcdSettings
+from index.keys import KeyLayout
+from index.mirror import BlockMirror, BlockMirrorConfig
+from kvatlas.etcd_proc import EtcdCluster
+
+pytestmark = pytest.mark.timeout(90)
+MODEL = "org/model-c"
+CONFIG = BlockMirrorConfig(progress_every=0.2, stale_after=1.5)
+
+
+async def _until(pred: Callable[[], bool], timeout: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"{what} not within {timeout} s")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - t0
+
+
+async def test_quorum_loss_clears_connected_and_recovery_sets_it(
+        etcd_cluster3: EtcdCluster) -> None:
+    layout = KeyLayout(prefix="/conn-test")
+    key = layout.block(MODEL, "inst-a", 0xab)
+    async with EtcdClient(EtcdSettings.from_text(etcd_cluster3.endpoints, timeout=2.0)) as client:
+        await client.put(key, b'{"m":"gpu","t":0}')
+        mirror = BlockMirror(client, layout, MODEL, CONFIG)
+        assert not mirror.connected, "not connected before the first load"
+        mirror.start()
+        try:
+            assert await mirror.wait_ready(10)
+            await _until(lambda: mirror.connected, 5, "connected after the load")
+            # Stays connected while etcd is healthy (progress responses and probes keep it so).
+            await asyncio.sleep(CONFIG.stale_after * 2)
+            assert mirror.connected and mirror.blocks("inst-a") == {0xab}
+
+            for member in etcd_cluster3.members[1:]:
+                member.kill()
+            took = await _until(lambda: not mirror.connected, 10, "disconnected after quorum loss")
+            assert took < 10
+            assert mirror.stats()["connected"] is False
+            assert mirror.blocks("inst-a") == {0xab}, "the last known index is still served"
+
+            for member in etcd_cluster3.members[1:]:
+                member.start()
+            await _until(lambda: mirror.connected, 30, "connected after the members return")
+            rev = await client.put(layout.block(MODEL, "inst-a", 0xcd), b'{"m":"gpu","t":0}')
+            assert await mirror.wait_revision(rev, 10)
+            assert mirror.blocks("inst-a") == {0xab, 0xcd}
+        finally:
+            await mirror.close()
+
+
+def test_stale_after_must_exceed_progress_every() -> None:
+    with pytest.raises(ValueError, match="stale_after"):
+        BlockMirrorConfig(progress_every=1.0, stale_after=1.0)
