@@ -276,7 +276,7 @@ async def etcd_parts(args: argparse.Namespace) -> dict[str, Any]:
                                                     args.churn_rate, args.capacity)
     finally:
         cluster.stop()
-    periodic = [f"--auto-compaction-mode=periodic",
+    periodic = ["--auto-compaction-mode=periodic",
                 f"--auto-compaction-retention={args.periodic_retention}"]
     cluster = start_etcd(periodic)
     try:

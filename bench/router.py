@@ -220,7 +220,6 @@ async def part1(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
 # --- part 2: decision time ----------------------------------------------------------------------
 
 def part2(instances: int, blocks: int, samples: int) -> dict[str, Any]:
-    from index.etcd import EtcdSettings
     from index.keys import KeyLayout
     from index.mirror import BlockMirror
     from router.config import RouterConfig

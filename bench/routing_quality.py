@@ -199,7 +199,6 @@ class Cluster:
         proc = Proc(f"{self.prefix.strip('/')}-router", args, self.logdir)
         self.router_proc = proc
         self.procs.append(proc)
-        n = len(self.prefills)
 
         def ready() -> bool:
             if http_get(self.router_url + "/readiness")[0] != 200:

@@ -1,15 +1,17 @@
 """Pieces shared by the prefill and decode workers: building one rank's engine, the bootstrap
-fields of a PD request, and errors as JSON."""
+fields of a PD request, the HTTP app skeleton, and errors as JSON."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from engine import server as mono
 from engine.errors import BadRequest
+from engine.http_common import error_middleware
 from engine.kv_pool import KVPool
 from engine.model import Combine, SeqChunk, Transformer
 from engine.pd.config import PDConfig
@@ -90,3 +92,22 @@ def bootstrap_fields(body: dict[str, Any]) -> Bootstrap:
 
 def json_error(status: int, message: str, **extra: Any) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
+
+
+def worker_app(cfg: PDConfig, ctx: Callable[[web.Application], AsyncIterator[None]],
+               generate: Callable[[web.Request], Any]) -> web.Application:
+    """The HTTP surface both PD workers share with the monolithic server (health, info, metrics),
+    around the worker's own ``/generate`` and lifecycle ``ctx``; callers add their extra routes."""
+    app = web.Application(middlewares=[error_middleware],
+                          client_max_size=cfg.engine.max_request_bytes)
+    app.cleanup_ctx.append(ctx)
+    r = app.router
+    r.add_post("/generate", generate)
+    for path in ("/health", "/liveness", "/readiness"):
+        r.add_get(path, mono.health)
+    for path in ("/server_info", "/get_server_info"):
+        r.add_get(path, mono.get_server_info)
+    for path in ("/model_info", "/get_model_info"):
+        r.add_get(path, mono.get_model_info)
+    r.add_get("/metrics", mono.metrics)
+    return app

@@ -97,7 +97,7 @@ class PDConfig:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
             raise ValueError(f"--kv-cache-dtype must be auto or one of {sorted(DTYPES)}")
         if self.transfer_backend not in BACKENDS or self.transfer_backend == "fake":
-            raise ValueError(f"--transfer-backend must be zmq or cuda_ipc")
+            raise ValueError("--transfer-backend must be zmq or cuda_ipc")
         if not 0 <= self.bootstrap_port < 65536:
             raise ValueError(f"--bootstrap-port must be in 0..65535, got {self.bootstrap_port}")
         if self.auth_token is not None and (not self.auth_token

@@ -26,10 +26,10 @@ from aiohttp import web
 from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from engine import server as mono
 from engine.errors import BadRequest
-from engine.http_common import (STATE_KEY, EngineState, error_middleware, read_body, sse_response,
+from engine.http_common import (STATE_KEY, EngineState, read_body, sse_response,
                                 sse_send, state)
 from engine.metrics import make_registry
-from engine.pd.common import Bootstrap, bootstrap_fields, build_rank, json_error
+from engine.pd.common import Bootstrap, bootstrap_fields, build_rank, json_error, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.fetch import DecodeRank, FetchError
 from engine.pd.prefill import CFG_KEY, RANKS_KEY, RankContext
@@ -321,20 +321,9 @@ async def decode_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_decode_app(cfg: PDConfig, ranks: RankContext | None = None) -> web.Application:
-    app = web.Application(middlewares=[error_middleware],
-                          client_max_size=cfg.engine.max_request_bytes)
+    app = worker_app(cfg, decode_ctx, generate)
     app[CFG_KEY] = cfg
     app[RANKS_KEY] = ranks or RankContext()
-    app.cleanup_ctx.append(decode_ctx)
-    r = app.router
-    r.add_post("/generate", generate)
-    for path in ("/health", "/liveness", "/readiness"):
-        r.add_get(path, mono.health)
-    for path in ("/server_info", "/get_server_info"):
-        r.add_get(path, mono.get_server_info)
-    for path in ("/model_info", "/get_model_info"):
-        r.add_get(path, mono.get_model_info)
-    r.add_get("/metrics", mono.metrics)
-    r.add_get("/debug/rooms/{room}", room_get)
-    r.add_get("/debug/pd", stats_get)
+    app.router.add_get("/debug/rooms/{room}", room_get)
+    app.router.add_get("/debug/pd", stats_get)
     return app

@@ -29,9 +29,9 @@ from bootstrap.server import STATE as BOOTSTRAP_STATE
 from bootstrap.server import create_app as create_bootstrap_app
 from engine import server as mono
 from engine.errors import BadRequest, CapacityError
-from engine.http_common import STATE_KEY, EngineState, error_middleware, read_body, state
+from engine.http_common import STATE_KEY, EngineState, read_body, state
 from engine.metrics import make_registry
-from engine.pd.common import Bootstrap, bootstrap_fields, build_rank, json_error
+from engine.pd.common import Bootstrap, bootstrap_fields, build_rank, json_error, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.dist import Dist, RankInfo
 from engine.pd.registration import EventFeed, put_route, route_body
@@ -318,20 +318,9 @@ async def subscribe_dp_groups(cfg: PDConfig, ranks: RankContext, union: DPUnion,
 
 
 def create_prefill_app(cfg: PDConfig, ranks: RankContext | None = None) -> web.Application:
-    app = web.Application(middlewares=[error_middleware],
-                          client_max_size=cfg.engine.max_request_bytes)
+    app = worker_app(cfg, prefill_ctx, generate)
     app[CFG_KEY] = cfg
     app[RANKS_KEY] = ranks or RankContext()
-    app.cleanup_ctx.append(prefill_ctx)
-    r = app.router
-    r.add_post("/generate", generate)
-    for path in ("/health", "/liveness", "/readiness"):
-        r.add_get(path, mono.health)
-    for path in ("/server_info", "/get_server_info"):
-        r.add_get(path, mono.get_server_info)
-    for path in ("/model_info", "/get_model_info"):
-        r.add_get(path, mono.get_model_info)
-    r.add_get("/metrics", mono.metrics)
-    r.add_get("/debug/pd", stats_get)
-    r.add_post("/flush_cache", mono.flush_cache)
+    app.router.add_get("/debug/pd", stats_get)
+    app.router.add_post("/flush_cache", mono.flush_cache)
     return app
