@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from fault_helpers import SYSTEM, Traffic, etcd_keys, get_json, get_text, route, wait_for
@@ -27,6 +28,17 @@ async def _stale_flags(router: str) -> tuple[float, str | None]:
     return _metric(metrics, "kvatlas_router_index_stale"), ready.get("index", {}).get("state")
 
 
+def _chose_a_holder(decision: dict[str, Any]) -> bool:
+    """The router picked an instance holding the longest indexed prefix, and one exists.
+
+    Under steady traffic load balancing may also have put the shared system prompt on another
+    prefill, so "a holder", not the first one: what matters is that the index is used.
+    """
+    matched = {c["instance_id"]: c["matched_blocks"] for c in decision["candidates"]}
+    best = max(matched.values(), default=0)
+    return best > 0 and matched.get(decision["prefill"]["instance_id"]) == best
+
+
 async def test_member_loss_quorum_loss_and_recovery(
         pd_cluster: Callable[..., LocalCluster]) -> None:
     cluster = pd_cluster(etcd_members=3)
@@ -48,8 +60,7 @@ async def test_member_loss_quorum_loss_and_recovery(
     cluster.kill("etcd1")
     await asyncio.sleep(5.0)
     decision = await route(router, SYSTEM + "Q again?")
-    assert decision["prefill"]["instance_id"] == holder, "routing kept the last known index"
-    assert max(c["matched_blocks"] for c in decision["candidates"]) > 0
+    assert _chose_a_holder(decision), "routing kept the last known index"
     boot = state.process(holder).ports["bootstrap"]
     status, topo = await get_json(f"http://127.0.0.1:{boot}{TOPOLOGY}")
     assert status == 200 and topo["dp_size"] == 1, "bootstrap keeps serving without etcd"
@@ -68,7 +79,7 @@ async def test_member_loss_quorum_loss_and_recovery(
 
     await wait_for(converged, 30.0, interval=0.5)
     fresh = SYSTEM + "A question asked after the outage?"
-    assert (await route(router, fresh))["prefill"]["instance_id"] == holder
+    assert _chose_a_holder(await route(router, fresh)), "the converged index routes by prefix"
     stale, index_state = await _stale_flags(router)
     assert stale == 0.0 and index_state == "live"
 

@@ -283,6 +283,13 @@ async def test_restarted_prefill_rank_is_registered_again(rig: Rig) -> None:
         except OSError:
             await asyncio.sleep(0.1)
     rig.senders.append(s2)
+    # A message ZMQ writes into the old connection before it notices the peer died is lost; the
+    # decode's heartbeat is what finds the new process (as the PD heartbeat monitor does).
+    for _ in range(50):
+        if await r.ping(s2.endpoint, 0.2):
+            break
+    else:
+        pytest.fail("the restarted prefill rank never answered a heartbeat")
     s2.create(71)
     with pytest.raises(TransferError, match="no layout registration"):
         await asyncio.wait_for(r.receive(71, [s2.endpoint], [1]), 5)
