@@ -2,6 +2,7 @@
 fields of a PD request, the HTTP app skeleton, and errors as JSON."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from engine.kv_pool import KVPool
 from engine.model import Combine, SeqChunk, Transformer
 from engine.pd.config import PDConfig
 from engine.pd.dist import Dist, RankInfo
+from engine.pd.replica import ReplicatedScheduler
+from engine.pd.uplink import UplinkServer
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import Scheduler
 from transfer import KVLayout
@@ -111,3 +114,20 @@ def worker_app(cfg: PDConfig, ctx: Callable[[web.Application], AsyncIterator[Non
         r.add_get(path, mono.get_model_info)
     r.add_get("/metrics", mono.metrics)
     return app
+
+
+async def start_group_leader(cfg: PDConfig, info: RankInfo, dist: Dist
+                             ) -> tuple[Scheduler, KVLayout, ReplicatedScheduler,
+                                        UplinkServer | None]:
+    """Build this rank's engine shard, wrap it so every scheduler change reaches the other TP
+    ranks of the group, and (with TP > 1) open the uplink they report transfer results on.
+    Returns (scheduler, layout, replicated scheduler, uplink or None)."""
+    loop = asyncio.get_running_loop()
+    sched, layout = await loop.run_in_executor(None, build_rank, cfg, info, dist)
+    replica = ReplicatedScheduler(sched, dist)
+    uplink = None
+    if info.tp_size > 1:
+        uplink = UplinkServer(cfg.engine.host)
+        await uplink.start()
+        dist.group_broadcast(uplink.address)
+    return sched, layout, replica, uplink

@@ -29,7 +29,7 @@ from engine.errors import BadRequest
 from engine.http_common import (STATE_KEY, EngineState, read_body, sse_response,
                                 sse_send, state)
 from engine.metrics import make_registry
-from engine.pd.common import Bootstrap, bootstrap_fields, build_rank, json_error, worker_app
+from engine.pd.common import Bootstrap, bootstrap_fields, json_error, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.fetch import DecodeRank, FetchError
 from engine.pd.prefill import CFG_KEY, RANKS_KEY, RankContext
@@ -270,14 +270,7 @@ async def decode_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg, ranks = app[CFG_KEY], app[RANKS_KEY]
     info, dist = ranks.info, ranks.dist
     assert dist is not None
-    loop = asyncio.get_running_loop()
-    sched, layout = await loop.run_in_executor(None, build_rank, cfg, info, dist)
-    replica = ReplicatedScheduler(sched, dist)
-    uplink = None
-    if info.tp_size > 1:
-        uplink = UplinkServer(cfg.engine.host)
-        await uplink.start()
-        dist.group_broadcast(uplink.address)
+    sched, layout, replica, uplink = await start_group_leader(cfg, info, dist)
     receiver = create_receiver(cfg.transfer_backend, cfg.transfer, layout, sched.pool.kv)
     await receiver.start()
     client = BootstrapClient(BootstrapClientConfig(auth_token=cfg.auth_token))

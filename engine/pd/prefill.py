@@ -31,7 +31,7 @@ from engine import server as mono
 from engine.errors import BadRequest, CapacityError
 from engine.http_common import STATE_KEY, EngineState, read_body, state
 from engine.metrics import make_registry
-from engine.pd.common import Bootstrap, bootstrap_fields, build_rank, json_error, worker_app
+from engine.pd.common import Bootstrap, bootstrap_fields, json_error, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.dist import Dist, RankInfo
 from engine.pd.registration import EventFeed, put_route, route_body
@@ -212,14 +212,7 @@ async def prefill_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg, ranks = app[CFG_KEY], app[RANKS_KEY]
     info, dist = ranks.info, ranks.dist
     assert dist is not None
-    loop = asyncio.get_running_loop()
-    sched, layout = await loop.run_in_executor(None, build_rank, cfg, info, dist)
-    replica = ReplicatedScheduler(sched, dist)
-    uplink = None
-    if info.tp_size > 1:
-        uplink = UplinkServer(cfg.engine.host)
-        await uplink.start()
-        dist.group_broadcast(uplink.address)
+    sched, layout, replica, uplink = await start_group_leader(cfg, info, dist)
     sender = create_sender(cfg.transfer_backend, cfg.transfer, layout,
                            TensorPageSource(sched.pool.kv, layout), host=cfg.engine.host)
     await sender.start()
