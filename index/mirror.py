@@ -360,7 +360,7 @@ class BlockMirror:
             model, instance, h = parsed
             if ev.put:
                 medium = self._medium(ev.value)
-                t = _write_time(ev.value)
+                t = write_time(ev.value)
                 if t is not None:
                     stamps.append(t)
             else:
@@ -448,7 +448,9 @@ _MAX_MEDIA = 256
 """Interned medium names kept; media come from values, which another tool could vary freely."""
 
 
-def _write_time(value: bytes) -> float | None:
+def write_time(value: bytes) -> float | None:
+    """The writer's ``"t"`` (unix time of the write) in a block value, found without a JSON parse
+    because it runs once per watched event."""
     i = value.rfind(b'"t":')
     if i < 0:
         return None

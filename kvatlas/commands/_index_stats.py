@@ -28,6 +28,7 @@ from rich.table import Table
 from index.agent_stats import parse_stats_key, stats_prefix
 from index.etcd import EtcdClient
 from index.keys import KeyLayout, loads
+from index.mirror import write_time
 from kvatlas.commands._common import key_layout
 from kvatlas.commands._run_dir import cluster_etcd_settings
 
@@ -47,16 +48,6 @@ def add_stats_parser(sub: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _block_time(value: bytes) -> float | None:
-    i = value.rfind(b'"t":')
-    if i < 0:
-        return None
-    try:
-        return float(value[i + 4:].rstrip(b"} "))
-    except ValueError:
-        return None
-
-
 async def _sample_lag(client: EtcdClient, layout: KeyLayout, revision: int,
                       seconds: float) -> dict[str, list[float]]:
     """Write-to-watch lag of every block put in the next ``seconds``, per instance."""
@@ -70,7 +61,7 @@ async def _sample_lag(client: EtcdClient, layout: KeyLayout, revision: int,
             for ev in batch.events:
                 if not ev.put:
                     continue
-                t = _block_time(ev.value)
+                t = write_time(ev.value)
                 if t is None:
                     continue
                 try:
