@@ -11,7 +11,9 @@ import pytest
 from fault_helpers import (LEASE_TTL, SYSTEM, Traffic, etcd_keys, generate, get_json, route,
                            wait_for)
 
+from engine.protocol import encode_text
 from index.etcd import EtcdClient, EtcdSettings
+from index.hashing import DEFAULT_BLOCK_SIZE, block_hashes
 from index.keys import KeyLayout, loads
 from kvatlas.launcher.supervisor import LocalCluster, healthy
 
@@ -104,17 +106,25 @@ async def test_prefill_restart_same_id_replaces_keys_and_resyncs(
         pd_cluster: Callable[..., LocalCluster]) -> None:
     cluster = pd_cluster()
     router = cluster.state.router["url"]
-    victim = await _restart_victim(cluster)
+    await _restart_victim(cluster)
     # Clients retry through the router: every request succeeds, and the events of the new
     # instance's cache reach the index again.
     prompt = SYSTEM + "after the restart?"
     for _ in range(3):
         await generate(router, prompt, timeout=60)
 
+    # The prompt's own last full block, as the prefill that served it indexes it: it can only be
+    # in etcd if that prefill's cache events flowed after the restart.
+    last_block = block_hashes(encode_text(prompt, "text"), DEFAULT_BLOCK_SIZE)[-1]
+    layout = KeyLayout()
+
     async def events_resynced() -> bool:
-        return (await etcd_keys(cluster.state, victim))["blocks"] > 0 or \
-            any((await etcd_keys(cluster.state, i))["blocks"] > 0
-                for i in ("prefill-0", "prefill-1") if i != victim)
+        settings = EtcdSettings.from_text(cluster.state.etcd, timeout=3.0)
+        async with EtcdClient(settings) as client:
+            for instance in ("prefill-0", "prefill-1"):
+                if await client.get(layout.block(cluster.state.model, instance, last_block)):
+                    return True
+        return False
 
     await wait_for(events_resynced, 10.0, interval=0.2)
 
