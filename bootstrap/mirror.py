@@ -7,7 +7,6 @@ retrying, the rewrite after a new lease and the removal of stale keys of this in
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
@@ -17,7 +16,7 @@ from bootstrap.table import Cell, RankEntry, RankTable
 from index.errors import EtcdError
 from index.etcd import EtcdClient
 from index.keys import dumps
-from index.lease import LeaseSession
+from index.lease import LeaseSession, cancel_and_wait
 from index.owned import LeasedKeys
 
 logger = logging.getLogger(__name__)
@@ -111,11 +110,7 @@ class RankMirror:
 
     async def close(self, revoke: bool = True) -> None:
         """Stop mirroring; with ``revoke`` the lease is revoked so every key vanishes now."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
         if revoke:
             try:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -36,7 +35,7 @@ from index.events.ingest import InstanceIngestor
 from index.events.subscriber import KVEventSubscriber, SubscriberConfig
 from index.hashing import DEFAULT_BLOCK_SIZE
 from index.keys import KeyLayout, dumps, validate_instance_id, validate_model
-from index.lease import LeaseSession
+from index.lease import LeaseSession, cancel_and_wait
 from index.owned import LeasedKeys
 from index.writer import BlockWriter, BlockWriterConfig
 
@@ -238,10 +237,7 @@ class InstanceRecord:
 
     async def _drop(self) -> None:
         task, self._keys_task, self._keys = self._keys_task, None, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def wait_synced(self, timeout: float | None = None) -> bool:
         return True if self._keys is None else await self._keys.wait_synced(timeout)
@@ -316,9 +312,7 @@ class IndexAgent:
         """Stop; with ``revoke`` every key of the instance is deleted now (clean shutdown)."""
         await self.subscriber.close()
         await self.writer.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
         if revoke:
             await self.session.revoke()

@@ -282,6 +282,12 @@ class EtcdClient:
         try:
             yield
         except (grpc.aio.AioRpcError, OSError, asyncio.TimeoutError) as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # Our own task is being cancelled (close(), a timeout): gRPC may report that as a
+                # CANCELLED call, and mapping it to EtcdUnavailable would swallow the cancellation
+                # and keep a retry loop alive forever.
+                raise asyncio.CancelledError() from exc
             raise _map_error(exc, self.endpoint, op) from exc
 
     async def _call(self, op: str, stub: str, method: str, request: Any,

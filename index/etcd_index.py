@@ -9,7 +9,6 @@ tests and the contract suite use after each change.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -17,7 +16,7 @@ from index.block_index import GPU, BlockIndex
 from index.errors import EtcdError
 from index.etcd import EtcdClient
 from index.keys import KeyLayout, validate_instance_id, validate_model
-from index.lease import LeaseSession
+from index.lease import LeaseSession, cancel_and_wait
 from index.mirror import BlockMirror, BlockMirrorConfig
 from index.writer import BlockWriter, BlockWriterConfig
 
@@ -101,9 +100,7 @@ class EtcdBlockIndex(BlockIndex):
         own = self._own_sessions.pop(instance, None)
         if own is not None:
             session, task = own
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
             if revoke:
                 await session.revoke()
 

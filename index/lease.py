@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from index.errors import EtcdError, LeaseExpired
 from index.etcd import EtcdClient
@@ -16,6 +17,22 @@ from index.etcd import EtcdClient
 logger = logging.getLogger(__name__)
 
 NewLeaseCallback = Callable[[int], Awaitable[None] | None]
+
+
+async def cancel_and_wait(*tasks: "asyncio.Task[Any] | None") -> None:
+    """Cancel ``tasks`` and wait until they are done, cancelling again if one swallowed it.
+
+    A cancellation can be lost inside a library (or by ``asyncio.timeout`` racing an outer
+    cancel on Python 3.11); a plain ``cancel(); await gather(...)`` would then hang forever.
+    """
+    pending = {t for t in tasks if t is not None and not t.done()}
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=1.0)
+        if pending:
+            logger.warning("re-cancelling %d task(s) that ignored a cancellation: %s",
+                           len(pending), ", ".join(t.get_name() for t in pending))
 
 
 class Backoff:

@@ -33,7 +33,7 @@ from urllib.parse import quote, unquote
 from index.errors import EtcdCompacted, EtcdError, EtcdRequestError
 from index.etcd import EtcdClient, WatchBatch
 from index.keys import KeyLayout, validate_instance_id, validate_model
-from index.lease import Backoff
+from index.lease import Backoff, cancel_and_wait
 from index.liveness import WatchLiveness
 from index.table import GPU, BlockTable
 from index.writer import parse_hash_tail
@@ -201,8 +201,7 @@ class BlockMirror:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def run(self) -> None:
@@ -211,8 +210,9 @@ class BlockMirror:
         try:
             await self._follow()
         finally:
-            probe.cancel()
-            await asyncio.gather(probe, return_exceptions=True)
+            # Not cancel()+gather(): on 3.11 the probe's wait_for can swallow a cancellation that
+            # lands as its read completes, and gather would then wait forever.
+            await cancel_and_wait(probe)
 
     async def _follow(self) -> None:
         backoff = Backoff()

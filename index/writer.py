@@ -29,7 +29,7 @@ from index.block_index import valid_medium
 from index.errors import EtcdError, LeaseExpired
 from index.etcd import Delete, EtcdClient, Put
 from index.keys import KeyLayout, validate_instance_id, validate_model
-from index.lease import Backoff, LeaseSession
+from index.lease import Backoff, LeaseSession, cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -251,10 +251,7 @@ class BlockWriter:
 
     async def close(self) -> None:
         """Stop writing (the keys stay in etcd until the lease goes)."""
-        tasks = [t for t in (self._task, *self._inflight) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(self._task, *self._inflight)
         self._task = None
 
     def _on_new_lease(self, lease_id: int) -> None:

@@ -21,7 +21,7 @@ import time
 from index.errors import EtcdError
 from index.etcd import EtcdClient, WatchBatch
 from index.keys import KeyLayout
-from index.lease import Backoff
+from index.lease import Backoff, cancel_and_wait
 from index.liveness import WatchLiveness
 from router.workers import ROLES, WorkerPools, parse_instance_record
 
@@ -77,8 +77,8 @@ class InstanceDiscovery:
         try:
             await self._follow()
         finally:
-            probe.cancel()
-            await asyncio.gather(probe, return_exceptions=True)
+            await cancel_and_wait(probe)  # see index.lease.cancel_and_wait: never hangs
+
 
     async def _follow(self) -> None:
         backoff = Backoff()
