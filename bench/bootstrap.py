@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -39,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 from index.etcd import EtcdClient, EtcdSettings  # noqa: E402
 from index.keys import KeyLayout  # noqa: E402
 from kvatlas.etcd_proc import EtcdCluster, free_port  # noqa: E402
+from _results import write_result  # noqa: E402
 
 DP, CP, TP, PP = 4, 2, 16, 4  # 512 ranks
 CONCURRENCY = (1, 16, 64)
@@ -210,10 +210,7 @@ def main() -> int:
                       "python": platform.python_version(), "aiohttp": aiohttp.__version__,
                       "unix_time": time.time(),
                       "note": "client and servers share the machine's cores"}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(args.out, result)
     return 0
 
 

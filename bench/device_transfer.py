@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import signal
 import statistics
 import subprocess
@@ -32,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from transfer import KVLayout, TensorPageSource, TransferConfig  # noqa: E402
+from _results import write_result
 
 GEOMETRY = dict(num_layers=32, num_heads=8, head_dim=128, page_size=16, dtype="bfloat16")
 LAYOUT = KVLayout.for_tp(**GEOMETRY)
@@ -202,9 +202,7 @@ def main() -> int:
     signal.alarm(DEADLINE_S)  # the lead's device slot is short: never run past 3 minutes
     result = asyncio.run(main_async(args))
     show(result)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    write_result(args.out, result)
     return 0 if all(r["verified"] for r in result["rows"]) else 1
 
 

@@ -62,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 import _routing_trace as rt  # noqa: E402
 
 from kvatlas.etcd_proc import EtcdCluster, free_port  # noqa: E402
+from _results import write_result
 
 ROUTERS = ("kv_aware", "round_robin", "power_of_two", "sglang:cache_aware")
 MODEL = "tiny"
@@ -450,10 +451,7 @@ def main() -> int:
     result["logs"] = str(logdir)
     print_table(result)
     print(f"ratios: {result['ratios']}  total {result['total_s']} s  logs {logdir}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(args.out, result)
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import socket
@@ -44,6 +43,7 @@ from transfer import KVLayout, TensorPageSource, TransferConfig  # noqa: E402
 from transfer.backends.zmq_backend import ZmqReceiver, ZmqSender  # noqa: E402
 from transfer.layout import tensor_bytes  # noqa: E402
 from transfer.tuning import tune_host_allocator  # noqa: E402
+from _results import write_result
 
 GEOMETRY = dict(num_layers=32, num_heads=8, head_dim=128, page_size=16, dtype="bfloat16")
 LAYOUT = KVLayout.for_tp(**GEOMETRY)
@@ -234,9 +234,7 @@ def main() -> int:
     args.latency_iters = args.latency_iters or (50 if args.quick else 200)
     result = asyncio.run(decode(args))
     show(result)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    write_result(args.out, result)
     return 0 if all(r["verified"] for r in result["sizes"]) else 1
 
 
