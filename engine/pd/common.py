@@ -12,7 +12,7 @@ from aiohttp import web
 
 from engine import server as mono
 from engine.errors import BadRequest
-from engine.http_common import error_middleware
+from engine.http_common import error_middleware, read_body, state
 from engine.kv_pool import KVPool
 from engine.model import Combine, SeqChunk, Transformer
 from engine.pd.config import PDConfig
@@ -20,6 +20,7 @@ from engine.pd.dist import Dist, RankInfo
 from engine.pd.replica import ReplicatedScheduler
 from engine.pd.uplink import UplinkServer
 from engine.prefix_cache import PrefixCache
+from engine.protocol import GenInput, parse_generate
 from engine.scheduler import Scheduler
 from transfer import KVLayout
 from transfer.layout import dtype_from_name
@@ -131,3 +132,14 @@ async def start_group_leader(cfg: PDConfig, info: RankInfo, dist: Dist
         await uplink.start()
         dist.group_broadcast(uplink.address)
     return sched, layout, replica, uplink
+
+
+async def read_pd_request(request: web.Request) -> tuple[dict[str, Any], Bootstrap, GenInput, bool]:
+    """(body, bootstrap fields, the one prompt, stream) of a PD ``/generate``: one prompt per
+    request, because one bootstrap room binds one KV transfer."""
+    body = await read_body(request)
+    boot = bootstrap_fields(body)
+    inputs, batch, stream = parse_generate(body, state(request).model)
+    if batch:
+        raise BadRequest("text", "a PD request carries one prompt (one bootstrap_room)")
+    return body, boot, inputs[0], stream

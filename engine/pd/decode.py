@@ -26,10 +26,10 @@ from aiohttp import web
 from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from engine import server as mono
 from engine.errors import BadRequest
-from engine.http_common import (STATE_KEY, EngineState, read_body, sse_response,
-                                sse_send, state)
+from engine.http_common import STATE_KEY, EngineState, sse_response, sse_send
 from engine.metrics import make_registry
-from engine.pd.common import Bootstrap, bootstrap_fields, json_error, start_group_leader, worker_app
+from engine.pd.common import (Bootstrap, json_error, read_pd_request, start_group_leader,
+                              worker_app)
 from engine.pd.config import PDConfig
 from engine.pd.fetch import DecodeRank, FetchError
 from engine.pd.prefill import CFG_KEY, RANKS_KEY, RankContext
@@ -38,7 +38,6 @@ from engine.pd.replica import ReplicatedScheduler
 from engine.pd.restarts import PrefillRestarts
 from engine.pd.rooms import RoomLog, RoomRecord
 from engine.pd.uplink import UplinkServer
-from engine.protocol import parse_generate
 from engine.runner import AsyncEngine
 from engine.scheduler import Request
 from transfer import HeartbeatMonitor, ReceiveResult, create_receiver
@@ -64,12 +63,7 @@ DECODE_KEY = web.AppKey("pd_decode", DecodeState)
 
 async def generate(request: web.Request) -> web.StreamResponse:
     ds = request.app[DECODE_KEY]
-    body = await read_body(request)
-    boot = bootstrap_fields(body)
-    inputs, batch, stream = parse_generate(body, state(request).model)
-    if batch:
-        raise BadRequest("text", "a PD request carries one prompt (one bootstrap_room)")
-    gi = inputs[0]
+    body, boot, gi, stream = await read_pd_request(request)
     ds.engine.scheduler.check_fits(len(gi.prompt), gi.params.max_new_tokens)
     if ds.rooms.get(boot.room) is not None:
         raise BadRequest("bootstrap_room", f"room {boot.room} was already used on this decode; "

@@ -29,15 +29,15 @@ from bootstrap.server import STATE as BOOTSTRAP_STATE
 from bootstrap.server import create_app as create_bootstrap_app
 from engine import server as mono
 from engine.errors import BadRequest, CapacityError
-from engine.http_common import STATE_KEY, EngineState, read_body, state
+from engine.http_common import STATE_KEY, EngineState
 from engine.metrics import make_registry
-from engine.pd.common import Bootstrap, bootstrap_fields, json_error, start_group_leader, worker_app
+from engine.pd.common import (Bootstrap, json_error, read_pd_request, start_group_leader,
+                              worker_app)
 from engine.pd.config import PDConfig
 from engine.pd.dist import Dist, RankInfo
 from engine.pd.registration import EventFeed, put_route, route_body
 from engine.pd.replica import ReplicatedScheduler
 from engine.pd.uplink import UplinkServer
-from engine.protocol import parse_generate
 from engine.runner import AsyncEngine
 from engine.pd.dp_index import DPUnion
 from index.agent import WriterIndex
@@ -94,17 +94,12 @@ RANKS_KEY = web.AppKey("pd_ranks", RankContext)
 
 async def generate(request: web.Request) -> web.StreamResponse:
     ps = request.app[PREFILL_KEY]
-    body = await read_body(request)
-    boot = bootstrap_fields(body)
-    inputs, batch, _ = parse_generate(body, state(request).model)
-    if batch:
-        raise BadRequest("text", "a PD request carries one prompt (one bootstrap_room)")
+    body, boot, gi, _ = await read_pd_request(request)
     info = ps.ranks.info
     if info.world_rank == 0 and info.dp_size > 1:
         dp = await choose_dp(ps, boot)
         if dp != 0:
             return await forward(ps, dp, body)
-    gi = inputs[0]
     ps.engine.scheduler.check_fits(len(gi.prompt), 1)  # a prefill keeps the prompt's KV only
     return await prefill_one(ps, gi.prompt, gi.params, gi.rid or uuid.uuid4().hex, boot)
 
