@@ -1,0 +1,1 @@
+"""The router's lean HTTP/1.1 server and upstream client (see server.py for why)."""

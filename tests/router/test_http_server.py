@@ -1,0 +1,285 @@
+"""The router's lean HTTP/1.1 server (router/http/server.py) on real loopback sockets:
+protocol basics (keep-alive, pipelining, 100-continue, size limits, malformed input, handler
+errors, connection closes, query and header handling).
+
+Driven by aiohttp.ClientSession where a well-behaved client is enough, and by raw
+asyncio.open_connection sockets where the bytes on the wire matter. Streaming, disconnects,
+timeouts and server close are in test_http_server_streams.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+import http_helpers
+from http_helpers import ServerStarted as Started
+from http_helpers import at_eof, connect, echo, read_response
+from router.http.server import MAX_HEADER_BYTES, Request, Response, json_response
+
+serve = http_helpers.serve  # the fixture
+
+
+async def test_keep_alive_serves_many_requests_on_one_connection(serve: Started) -> None:
+    server, port = await serve(echo)
+    seen: set[int] = set()
+    connector = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for i in range(6):
+            async with session.post(f"http://127.0.0.1:{port}/n{i}", data=b"x" * i) as resp:
+                assert resp.status == 200
+                assert resp.headers["content-type"] == "application/json"
+                got = await resp.json()
+            assert got["path"] == f"/n{i}" and got["body"] == "x" * i
+            seen.update(id(c) for c in server.connections)
+    assert len(seen) == 1
+
+    # The same on a raw socket: three requests in turn, one connection, answers complete.
+    reader, writer = await connect(port)
+    for i in range(3):
+        writer.write(b"GET /raw%d HTTP/1.1\r\nhost: x\r\n\r\n" % i)
+        status, headers, body = await read_response(reader)
+        assert status == 200 and json.loads(body)["path"] == f"/raw{i}"
+        assert "connection" not in headers
+    writer.close()
+
+
+async def test_pipelined_requests_are_answered_in_order(serve: Started) -> None:
+    order: list[str] = []
+
+    async def handler(request: Request) -> Response:
+        if request.path == "/slow":
+            await asyncio.sleep(0.1)
+        order.append(request.path)
+        return json_response({"path": request.path, "body": request.body.decode()})
+
+    _, port = await serve(handler)
+    reader, writer = await connect(port)
+    writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n"
+                 b"POST /b HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc"
+                 b"GET /c HTTP/1.1\r\nhost: x\r\n\r\n")
+    answers = [json.loads((await read_response(reader))[2]) for _ in range(3)]
+    assert [a["path"] for a in answers] == ["/slow", "/b", "/c"]
+    assert answers[1]["body"] == "abc"
+    # One at a time: /b waited for /slow instead of overtaking it.
+    assert order == ["/slow", "/b", "/c"]
+    writer.close()
+
+
+async def test_expect_100_continue_then_answer(serve: Started) -> None:
+    _, port = await serve(echo)
+    reader, writer = await connect(port)
+    writer.write(b"POST /up HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+                 b"content-length: 5\r\n\r\n")
+    interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(b"hello")
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["body"] == "hello"
+    writer.close()
+
+
+async def test_content_length_over_limit_is_413_and_closed(serve: Started) -> None:
+    called = []
+
+    async def handler(request: Request) -> Response:
+        called.append(request.path)
+        return json_response({})
+
+    _, port = await serve(handler, max_body=100, limit_hint=" (raise --max-body)")
+    reader, writer = await connect(port)
+    # Expect: 100-continue must not be acknowledged for a body we refuse.
+    writer.write(b"POST /big HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+                 b"content-length: 101\r\n\r\n")
+    status, headers, body = await read_response(reader)
+    assert status == 413
+    assert headers["content-type"] == "application/json" and headers["connection"] == "close"
+    error = json.loads(body)["error"]
+    assert "100 bytes" in error and "--max-body" in error
+    assert await at_eof(reader)
+    assert called == []
+
+    # Exactly at the limit is fine.
+    reader, writer = await connect(port)
+    writer.write(b"POST /ok HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n" + b"y" * 100)
+    assert (await read_response(reader))[0] == 200
+    assert called == ["/ok"]
+    writer.close()
+
+
+async def test_chunked_body_over_limit_is_413(serve: Started) -> None:
+    called = []
+
+    async def handler(request: Request) -> Response:
+        called.append(request.body)
+        return json_response({})
+
+    _, port = await serve(handler, max_body=100)
+    reader, writer = await connect(port)
+    writer.write(b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                 b"3c\r\n" + b"a" * 60 + b"\r\n")
+    writer.write(b"3c\r\n" + b"b" * 60 + b"\r\n0\r\n\r\n")
+    status, _, body = await read_response(reader)
+    assert status == 413 and "100 bytes" in json.loads(body)["error"]
+    assert await at_eof(reader)
+    assert called == []
+
+    # A chunked body under the limit arrives de-chunked.
+    reader, writer = await connect(port)
+    writer.write(b"POST /c HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+                 b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+    assert (await read_response(reader))[0] == 200
+    assert called == [b"abcde"]
+    writer.close()
+
+
+@pytest.mark.parametrize("raw", [
+    b"GARBAGE\r\n\r\n",
+    b"GET / HTTP/9.9x\r\nhost: x\r\n\r\n",
+    b"GET / HTTP/1.1\r\nbad header line\r\n\r\n",
+    b"GET / HTTP/1.1\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n",
+])
+async def test_malformed_request_is_400_json_and_closed(serve: Started, raw: bytes) -> None:
+    _, port = await serve(echo)
+    reader, writer = await connect(port)
+    writer.write(raw)
+    status, headers, body = await read_response(reader)
+    assert status == 400 and headers["connection"] == "close"
+    assert json.loads(body)["error"]
+    assert await at_eof(reader)
+
+
+async def test_oversized_headers_are_431(serve: Started) -> None:
+    _, port = await serve(echo)
+    reader, writer = await connect(port)
+    many = b"".join(b"x-h%d: %s\r\n" % (i, b"v" * 1000) for i in range(MAX_HEADER_BYTES // 1000 + 2))
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n" + many + b"\r\n")
+    status, _, body = await read_response(reader)
+    assert status == 431 and "request headers over" in json.loads(body)["error"]
+    assert await at_eof(reader)
+
+    # Headers just under the limit are served.
+    reader, writer = await connect(port)
+    some = b"".join(b"x-h%d: %s\r\n" % (i, b"v" * 1000) for i in range(MAX_HEADER_BYTES // 1100))
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n" + some + b"\r\n")
+    assert (await read_response(reader))[0] == 200
+    writer.close()
+
+
+async def test_endless_header_line_is_431(serve: Started) -> None:
+    _, port = await serve(echo)
+    reader, writer = await connect(port)
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (2 * MAX_HEADER_BYTES))
+    try:
+        status, _, _ = await read_response(reader, timeout=0.5)
+    except asyncio.TimeoutError:
+        pytest.fail("no answer to an endless header line")
+    assert status == 431
+    writer.close()
+
+
+async def test_handler_error_is_500_json_and_connection_stays_usable(
+        serve: Started, caplog: pytest.LogCaptureFixture) -> None:
+    async def handler(request: Request) -> Response:
+        if request.path == "/boom":
+            raise RuntimeError("handler exploded")
+        return json_response({"path": request.path})
+
+    _, port = await serve(handler)
+    reader, writer = await connect(port)
+    writer.write(b"GET /boom HTTP/1.1\r\nhost: x\r\n\r\n")
+    status, _, body = await read_response(reader)
+    assert status == 500 and "internal" in json.loads(body)["error"]
+    assert "handler exploded" not in body.decode()  # no internals leak to the client
+    assert any("handler exploded" in (r.exc_text or "") for r in caplog.records)
+    writer.write(b"GET /after HTTP/1.1\r\nhost: x\r\n\r\n")
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["path"] == "/after"
+    writer.close()
+
+
+async def test_handler_connection_reset_from_elsewhere_still_answers(serve: Started) -> None:
+    async def handler(request: Request) -> Response:
+        raise ConnectionResetError("some other socket was reset")
+
+    _, port = await serve(handler)
+    reader, writer = await connect(port)
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    try:
+        status, _, _ = await read_response(reader, timeout=0.5)
+    except asyncio.TimeoutError:
+        pytest.fail("no answer and no close for a live client")
+    assert status == 500
+    writer.close()
+
+
+async def test_http10_without_keep_alive_is_closed_after_answer(serve: Started) -> None:
+    _, port = await serve(echo)
+    reader, writer = await connect(port)
+    writer.write(b"GET /old HTTP/1.0\r\n\r\n")
+    status, headers, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["path"] == "/old"
+    assert headers["connection"] == "close"
+    assert await at_eof(reader)
+
+
+async def test_connection_close_is_honoured(serve: Started) -> None:
+    _, port = await serve(echo)
+    reader, writer = await connect(port)
+    writer.write(b"GET /first HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert (await read_response(reader))[0] == 200
+    writer.write(b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    status, headers, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["path"] == "/last"
+    assert headers["connection"] == "close"
+    assert await at_eof(reader)
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{port}/x",
+                               headers={"Connection": "close"}) as resp:
+            assert resp.status == 200 and resp.headers["connection"] == "close"
+
+
+async def test_request_pipelined_after_connection_close_is_ignored(serve: Started) -> None:
+    _, port = await serve(echo)
+    reader, writer = await connect(port)
+    writer.write(b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+                 b"GET /never HTTP/1.1\r\nhost: x\r\n\r\n")
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["path"] == "/last"
+    assert await at_eof(reader)
+
+
+async def test_query_parsing(serve: Started) -> None:
+    async def handler(request: Request) -> Response:
+        return json_response({"path": request.path, "qs": request.query_string,
+                              "query": request.query})
+
+    _, port = await serve(handler)
+    async with aiohttp.ClientSession() as session:
+        url = f"http://127.0.0.1:{port}/v1/x?a=1&b=&c=x%20y&a=2"
+        async with session.get(url) as resp:
+            got = await resp.json()
+        assert got["path"] == "/v1/x"
+        assert got["qs"] == "a=1&b=&c=x%20y&a=2"
+        assert got["query"] == {"a": "2", "b": "", "c": "x y"}
+        async with session.get(f"http://127.0.0.1:{port}/plain") as resp:
+            got = await resp.json()
+        assert got == {"path": "/plain", "qs": "", "query": {}}
+
+
+async def test_request_headers_are_lower_case_and_response_headers_sent(
+        serve: Started) -> None:
+    async def handler(request: Request) -> Response:
+        return Response(201, request.headers["x-mixed-case"].encode(), "text/plain",
+                        {"x-answer": "42"})
+
+    _, port = await serve(handler)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{port}/",
+                               headers={"X-Mixed-Case": "Value"}) as resp:
+            assert resp.status == 201
+            assert resp.headers["content-type"] == "text/plain"
+            assert resp.headers["x-answer"] == "42"
+            assert await resp.read() == b"Value"

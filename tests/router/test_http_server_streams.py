@@ -1,0 +1,209 @@
+"""The router's lean HTTP/1.1 server (router/http/server.py) on real loopback sockets:
+streamed answers, client disconnects, keep-alive timeouts and graceful close.
+
+Protocol basics are in test_http_server.py; shared helpers in http_helpers.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+import http_helpers
+from http_helpers import ServerStarted as Started
+from http_helpers import at_eof, connect, echo, read_all, read_response
+from router.http.server import Request, Response, Stream, json_response
+
+serve = http_helpers.serve  # the fixture
+
+
+async def test_handler_error_after_stream_head_aborts_connection(serve: Started) -> None:
+    async def handler(request: Request) -> Stream:
+        stream = await request.stream(200, "text/plain")
+        await stream.write(b"partial")
+        raise RuntimeError("upstream broke mid-stream")
+
+    _, port = await serve(handler)
+    reader, writer = await connect(port)
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    data, closed = await read_all(reader, 0.5)
+    assert data.startswith(b"HTTP/1.1 200 ")
+    assert b"7\r\npartial\r\n" in data
+    # The body must look broken (no terminating chunk, connection dropped), not carry another
+    # HTTP answer inside it.
+    assert b"HTTP/1.1 500" not in data
+    assert not data.endswith(b"0\r\n\r\n")
+    assert closed
+
+
+async def test_stream_delivers_each_chunk_as_written(serve: Started) -> None:
+    may_continue = asyncio.Event()
+    wrote_second = asyncio.Event()
+
+    async def handler(request: Request) -> Stream:
+        stream = await request.stream(200, "text/event-stream", {"x-kind": "sse"})
+        await stream.write(b"data: one\n\n")
+        await may_continue.wait()
+        await stream.write(b"data: two\n\n")
+        wrote_second.set()
+        return stream
+
+    _, port = await serve(handler)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{port}/s") as resp:
+            assert resp.status == 200
+            assert resp.headers["content-type"] == "text/event-stream"
+            assert resp.headers["x-kind"] == "sse"
+            assert resp.headers["transfer-encoding"] == "chunked"
+            first = await asyncio.wait_for(resp.content.readany(), 2)
+            assert first == b"data: one\n\n"
+            assert not wrote_second.is_set()
+            may_continue.set()
+            assert await asyncio.wait_for(resp.content.read(), 2) == b"data: two\n\n"
+        # The server ended the stream itself; the connection is reused afterwards.
+        async with session.get(f"http://127.0.0.1:{port}/s") as resp:
+            assert await asyncio.wait_for(resp.read(), 2) == b"data: one\n\ndata: two\n\n"
+
+
+async def test_client_disconnect_cancels_handler(serve: Started) -> None:
+    started = asyncio.Event()
+    outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def handler(request: Request) -> Response:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            outcome.set_result("cancelled")
+            raise
+        outcome.set_result("finished")
+        return json_response({})
+
+    server, port = await serve(handler)
+    _, writer = await connect(port)
+    writer.write(b"GET /long HTTP/1.1\r\nhost: x\r\n\r\n")
+    await asyncio.wait_for(started.wait(), 2)
+    writer.close()
+    assert await asyncio.wait_for(outcome, 2) == "cancelled"
+    await asyncio.sleep(0.05)
+    assert not server.connections
+
+
+async def test_idle_keep_alive_connection_is_closed_after_timeout(serve: Started) -> None:
+    async def handler(request: Request) -> Response:
+        if request.path == "/slow":
+            await asyncio.sleep(0.35)  # longer than the keep-alive timeout: must not be cut
+        return json_response({"path": request.path})
+
+    server, port = await serve(handler, keepalive_timeout=0.2)
+    reader, writer = await connect(port)
+    writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["path"] == "/slow"
+    t0 = time.monotonic()
+    assert await at_eof(reader, timeout=3)
+    idle = time.monotonic() - t0
+    # The sweep runs every timeout/2, so the close comes between 0.2 s and ~0.3 s (+ noise).
+    assert 0.12 <= idle <= 2.0, idle
+    assert not server.connections
+
+
+async def test_silent_connection_is_closed_after_keepalive_timeout(serve: Started) -> None:
+    _, port = await serve(echo, keepalive_timeout=0.2)
+    reader, _ = await connect(port)
+    t0 = time.monotonic()
+    assert await at_eof(reader, timeout=3)
+    assert 0.12 <= time.monotonic() - t0 <= 2.0
+
+
+async def test_close_waits_for_in_flight_request(serve: Started) -> None:
+    started = asyncio.Event()
+    release = asyncio.Event()
+
+    async def handler(request: Request) -> Response:
+        started.set()
+        await release.wait()
+        return json_response({"done": True})
+
+    server, port = await serve(handler)
+    idle_reader, _ = await connect(port)
+    reader, writer = await connect(port)
+    writer.write(b"GET /work HTTP/1.1\r\nhost: x\r\n\r\n")
+    await asyncio.wait_for(started.wait(), 2)
+    closing = asyncio.create_task(server.close(grace=5))
+    await asyncio.sleep(0.15)
+    assert not closing.done()
+    with pytest.raises(OSError):  # no longer accepting
+        await connect(port)
+    release.set()
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body) == {"done": True}
+    await asyncio.wait_for(closing, 2)
+    assert await at_eof(reader) and await at_eof(idle_reader)
+
+
+async def test_close_gives_up_after_grace(serve: Started) -> None:
+    started = asyncio.Event()
+
+    async def handler(request: Request) -> Response:
+        started.set()
+        await asyncio.sleep(30)
+        return json_response({})
+
+    server, port = await serve(handler)
+    reader, writer = await connect(port)
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    await asyncio.wait_for(started.wait(), 2)
+    t0 = time.monotonic()
+    await asyncio.wait_for(server.close(grace=0.2), 2)
+    assert 0.15 <= time.monotonic() - t0 < 1.5
+    assert await at_eof(reader)
+
+
+async def test_stream_write_waits_for_a_slow_client(serve: Started) -> None:
+    piece = b"z" * (1 << 20)
+    total = 48
+    written: list[int] = []
+
+    async def handler(request: Request) -> Stream:
+        stream = await request.stream(200, "application/octet-stream")
+        for i in range(total):
+            await stream.write(piece)
+            written.append(i)
+        return stream
+
+    _, port = await serve(handler)
+    reader, writer = await connect(port)
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    await asyncio.sleep(0.3)  # not reading
+    # write() blocked once the transport's buffer filled instead of buffering everything.
+    assert len(written) < total // 2, len(written)
+    status, _, body = await read_response(reader, timeout=5)
+    assert status == 200 and len(body) == len(piece) * total
+    assert len(written) == total
+    writer.close()
+
+
+async def test_client_gone_while_stream_write_is_blocked(serve: Started) -> None:
+    outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def handler(request: Request) -> Stream:
+        stream = await request.stream(200, "application/octet-stream")
+        try:
+            while True:
+                await stream.write(b"z" * (1 << 20))
+        except (asyncio.CancelledError, ConnectionResetError) as exc:
+            outcome.set_result(type(exc).__name__)
+            raise
+
+    server, port = await serve(handler)
+    reader, writer = await connect(port)
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+    await asyncio.sleep(0.1)
+    writer.transport.abort()
+    assert await asyncio.wait_for(outcome, 2) in ("CancelledError", "ConnectionResetError")
+    await asyncio.sleep(0.05)
+    assert not server.connections
