@@ -30,7 +30,13 @@ def namespace_seed(lora_name: str | None = None, cache_salt: str | None = None) 
     return _xxh3(data, BASE_SEED)
 
 
+_U32 = np.dtype("<u4")
+
+
 def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    if isinstance(tokens, np.ndarray) and tokens.dtype == _U32 and tokens.ndim == 1:
+        # The router's own encoding: every value is in range by construction, skip the scans.
+        return tokens.tobytes()
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError("token ids must be a flat sequence")
@@ -56,10 +62,21 @@ def block_hashes(tokens: Sequence[int] | np.ndarray, block_size: int = DEFAULT_B
         raise ValueError(f"block size must be >= 1, got {block_size}")
     data = _token_bytes(tokens)
     step = 4 * block_size
-    out: list[int] = []
-    h = parent
-    for off in range(0, len(data) - step + 1, step):
-        local = _xxh3(data[off:off + step], seed)
-        h = local if h is None else _xxh3(_pair.pack(h, local), seed)
-        out.append(h)
+    full = len(data) - len(data) % step
+    if not full:
+        return []
+    xxh3, pack = _xxh3, _pair.pack
+    local_hashes = [xxh3(data[off:off + step], seed) for off in range(0, full, step)]
+    if parent is None:
+        h = local_hashes[0]
+        out = [h]
+        rest = local_hashes[1:]
+    else:
+        h = parent
+        out = []
+        rest = local_hashes
+    append = out.append
+    for local in rest:
+        h = xxh3(pack(h, local), seed)
+        append(h)
     return out

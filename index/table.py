@@ -20,16 +20,28 @@ Not thread-safe: every caller runs it on one asyncio loop.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import reduce
+from itertools import count, repeat
+from operator import and_
 
 GPU = "GPU"
+
+# Table versions come from one process-wide sequence: a version names one table's content, so
+# that readers may cache a lookup result for as long as the version they saw is current.
+_versions = count(1)
+# Prompt blocks ``lookup`` checks at once before walking them one by one.
+_CHUNK = 16
+_zeros = repeat(0)
 
 
 class BlockTable:
     """Blocks held per instance, with a fast longest-prefix lookup across instances."""
 
-    __slots__ = ("_slots", "_names", "_bits", "_free", "_held", "_masks", "_media")
+    __slots__ = ("_slots", "_names", "_bits", "_free", "_held", "_masks", "_media", "version")
 
     def __init__(self) -> None:
+        self.version = 0
+        """Changes at every write (0: never written, hence empty); unique across tables."""
         self._slots: dict[str, int] = {}
         self._names: list[str | None] = []
         # One shared int object per slot: a block held by a single instance stores this object
@@ -74,6 +86,7 @@ class BlockTable:
         hashes = list(hashes)
         if not hashes:
             return
+        self.version = next(_versions)
         slot = self._slot(instance)
         bit = self._bits[slot]
         masks = self._masks
@@ -100,6 +113,7 @@ class BlockTable:
         slot = self._slots.get(instance)
         if slot is None:
             return
+        self.version = next(_versions)
         held = self._held[slot]
         bit = self._bits[slot]
         masks = self._masks
@@ -126,6 +140,7 @@ class BlockTable:
         slot = self._slots.get(instance)
         if slot is None:
             return 0
+        self.version = next(_versions)
         held = self._held[slot]
         n = len(held)
         bit = self._bits[slot]
@@ -151,6 +166,7 @@ class BlockTable:
     def clear(self) -> None:
         """Forget everything."""
         self.__init__()  # type: ignore[misc]
+        self.version = next(_versions)
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -166,18 +182,28 @@ class BlockTable:
         out: dict[str, int] = {}
         n = len(hashes)
         i = 1
+        step = _CHUNK
         while i < n:
-            nxt = active & get(hashes[i], 0)
-            if nxt != active:
-                dropped = active ^ nxt
-                while dropped:
-                    low = dropped & -dropped
-                    out[names[low.bit_length() - 1]] = i  # type: ignore[index]
-                    dropped ^= low
-                active = nxt
-                if not active:
-                    return out
-            i += 1
+            end = min(i + step, n)
+            # A chunk no instance drops out of (the usual case on a long cached prefix) is
+            # checked at C speed; only a chunk where one does is walked block by block. Chunks
+            # double while they pass, so the walk repeats at most as many blocks as matched.
+            if reduce(and_, map(get, hashes[i:end], _zeros), active) == active:
+                i = end
+                step += step
+                continue
+            for i in range(i, end):
+                nxt = active & get(hashes[i], 0)
+                if nxt != active:
+                    dropped = active ^ nxt
+                    while dropped:
+                        low = dropped & -dropped
+                        out[names[low.bit_length() - 1]] = i  # type: ignore[index]
+                        dropped ^= low
+                    active = nxt
+                    if not active:
+                        return out
+            i = end
         while active:
             low = active & -active
             out[names[low.bit_length() - 1]] = n  # type: ignore[index]

@@ -52,7 +52,8 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 from index.hashing import namespace_seed
 from index.table import BlockTable
@@ -65,6 +66,8 @@ Lookup = Callable[[Sequence[int], "str | None"], dict[str, int]]
 
 # How many of an instance's newest pending predictions one decision checks against the index.
 CONFIRM_SCAN = 8
+# No index version available: every catch-up asks the index.
+_UNVERSIONED: Any = object()
 
 
 class Prediction:
@@ -85,6 +88,10 @@ class Prediction:
         self._added: dict[str, dict[int, int]] = {}
         self._queues: dict[str, deque[tuple[float, int, tuple[int, ...]]]] = {}
         self._count = 0
+        self._held = 0
+        """Hashes held by queue entries, all entries together: a same-prefix stream of
+        requests adds entries without adding blocks, so ``max_blocks`` alone would not bound
+        the memory (2 KB per entry for a 50-block prompt)."""
         self._seq = 0
 
     def __len__(self) -> int:
@@ -97,13 +104,25 @@ class Prediction:
             return self._seq
         now = self._clock()
         self.expire(now)
-        self.table.apply_add(instance, hashes)
-        added = self._added.setdefault(instance, {})
+        added = self._added.get(instance)
+        if added is None:
+            added = self._added[instance] = {}
         before = len(added)
         added.update(dict.fromkeys(hashes, self._seq))
-        self._count += len(added) - before
-        self._queues.setdefault(instance, deque()).append((now, self._seq, tuple(hashes)))
-        while self._count > self.max_blocks:
+        if len(added) != before:
+            # ``added`` holds exactly the instance's blocks in the table: a prompt routed there
+            # again (the usual case) adds nothing to it.
+            self.table.apply_add(instance, hashes)
+            self._count += len(added) - before
+        queue = self._queues.get(instance)
+        if queue is None:
+            queue = self._queues[instance] = deque()
+        entry = tuple(hashes)
+        if queue and queue[-1][2] == entry:
+            entry = queue[-1][2]  # the same prompt again: share one copy
+        queue.append((now, self._seq, entry))
+        self._held += len(entry)
+        while self._count > self.max_blocks or self._held > 2 * self.max_blocks:
             oldest = min(self._queues, key=lambda i: self._queues[i][0][1])
             self._pop(oldest)
         return self._seq
@@ -111,7 +130,8 @@ class Prediction:
     def expire(self, now: float | None = None) -> None:
         """Drop every entry older than ``ttl``."""
         cutoff = (self._clock() if now is None else now) - self.ttl
-        for instance in list(self._queues):
+        queues = self._queues
+        for instance in [i for i, q in queues.items() if q[0][0] <= cutoff]:
             self.settle(instance, before=cutoff)
 
     def settle(self, instance: str, before: float | None = None,
@@ -127,6 +147,7 @@ class Prediction:
     def _pop(self, instance: str) -> None:
         queue = self._queues[instance]
         _, seq, hashes = queue.popleft()
+        self._held -= len(hashes)
         added = self._added[instance]
         gone = []
         for h in hashes:
@@ -154,7 +175,7 @@ class Prediction:
     def forget(self, instance: str) -> None:
         self.table.clear_instance(instance)
         self._count -= len(self._added.pop(instance, {}))
-        self._queues.pop(instance, None)
+        self._held -= sum(len(e[2]) for e in self._queues.pop(instance, ()))
 
 
 class WorkLoad:
@@ -167,23 +188,31 @@ class WorkLoad:
         self._recent: dict[str, tuple[float, float]] = {}
 
     def add(self, instance: str, blocks: int) -> None:
-        self._running.setdefault(instance, deque()).append(blocks)
+        running = self._running.get(instance)
+        if running is None:
+            running = self._running[instance] = deque()
+        running.append(blocks)
 
     def blocks(self, worker: Worker, now: float) -> float:
         """``worker``'s load in blocks; first retires the requests it no longer runs."""
-        running = self._running.get(worker.instance_id)
-        done = 0
+        iid = worker.instance_id
+        load = worker.load
+        running = self._running.get(iid)
+        in_flight = 0
         if running:
-            keep = max(worker.load, 0)
+            keep = load if load > 0 else 0
+            done = 0
             while len(running) > keep:
                 done += running.popleft()
-        if done:
-            self._recent[worker.instance_id] = (self._recent_at(worker.instance_id, now) + done,
-                                                now)
-        in_flight = sum(running) if running else 0
+            if done:
+                self._recent[iid] = (self._recent_at(iid, now) + done, now)
+            if running:
+                in_flight = sum(running)
+                load -= len(running)
         # Requests the policy did not route (another router path, a retry's stale count).
-        in_flight += max(worker.load - (len(running) if running else 0), 0)
-        return in_flight + self._recent_at(worker.instance_id, now)
+        if load > 0:
+            in_flight += load
+        return in_flight + self._recent_at(iid, now)
 
     def _recent_at(self, instance: str, now: float) -> float:
         value, at = self._recent.get(instance, (0.0, now))
@@ -201,10 +230,16 @@ class KvAware(Policy):
 
     def __init__(self, config: RouterConfig, lookup: Lookup | None = None,
                  rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 index_version: Callable[[], Hashable] | None = None) -> None:
         super().__init__(rng)
         self.config = config
         self.lookup = lookup
+        self.index_version = index_version
+        """Optional: a value that changes whenever ``lookup``'s answers may change. With it, a
+        prediction found unconfirmed is not asked about again until the index changes."""
+        # Per instance: (index version, newest pending seq found unconfirmed at that version).
+        self._unconfirmed: dict[str, tuple[Hashable, int]] = {}
         self.seed = namespace_seed()
         self._clock = clock
         self.prediction = Prediction(config.prediction_ttl, config.prediction_max_blocks, clock)
@@ -219,45 +254,79 @@ class KvAware(Policy):
         now = self._clock()
         hashes = ctx.hashes(cfg.block_size, self.seed)
         n = len(hashes)
-        indexed = self.lookup(hashes, ctx.model) if (self.lookup and n) else {}
-        self._indexed.update(indexed)
-        for w in workers:
-            if w.instance_id in self._indexed or w.instance_id in self._pending:
-                self._catch_up(w.instance_id, now)
+        lookup = self.lookup
+        indexed = lookup(hashes, ctx.model) if (lookup and n) else {}
+        known, pending = self._indexed, self._pending
+        if indexed:
+            known.update(indexed)
+        if known or pending:
+            version = _UNVERSIONED
+            for w in workers:
+                iid = w.instance_id
+                if iid in known or iid in pending:
+                    if version is _UNVERSIONED and self.index_version is not None:
+                        version = self.index_version()
+                    self._catch_up(iid, now, version)
         predicted = self.prediction.lookup(hashes) if n else {}
         weight = cfg.overlap_weight
+        work = self.work.blocks
         scored = []
         for w in workers:
-            m_index = indexed.get(w.instance_id, 0)
-            m_pred = predicted.get(w.instance_id, 0)
-            m = max(m_index, m_pred)
-            # Predicted-only blocks are being (or were just) computed there by requests counted
-            # in its load: this prompt needs them anyway, so they do not delay it.
-            load = max(self.work.blocks(w, now) - max(m_pred - m_index, 0), 0.0)
+            iid = w.instance_id
+            m_index = indexed.get(iid, 0) if indexed else 0
+            m_pred = predicted.get(iid, 0) if predicted else 0
+            load = work(w, now)
+            if m_pred > m_index:
+                # Predicted-only blocks are being (or were just) computed there by requests
+                # counted in its load: this prompt needs them anyway, so they do not delay it.
+                m = m_pred
+                load -= m_pred - m_index
+            else:
+                m = m_index
+            if load < 0.0:
+                load = 0.0
             scored.append((float((n - m) * weight + load), w.load, m, w, load, m_index))
         if cfg.temperature > 0 and len(scored) > 1:
             pick = self._sample(scored, cfg.temperature)
         else:
-            best = min((s[0], s[1]) for s in scored)
-            pick = self.rng.choice([s for s in scored if (s[0], s[1]) == best])
-        candidates = [{"instance_id": w.instance_id, "matched_blocks": m, "load": load,
-                       "load_blocks": round(lb, 3), "indexed_blocks": mi, "cost": c}
-                      for c, load, m, w, lb, mi in sorted(scored, key=lambda s: (s[0], s[1]))]
-        return Choice(pick[3], candidates, matched_blocks=pick[2], prompt_blocks=n,
-                      hashes=hashes, indexed_blocks=pick[5], model=ctx.model)
+            # Lowest (cost, in-flight requests); ties in pool order, drawn at random.
+            ties = [scored[0]]
+            best = (scored[0][0], scored[0][1])
+            for s in scored[1:]:
+                key = (s[0], s[1])
+                if key < best:
+                    best, ties = key, [s]
+                elif key == best:
+                    ties.append(s)
+            pick = self.rng.choice(ties)
+        return Choice(pick[3], lambda: _candidates(scored), matched_blocks=pick[2],
+                      prompt_blocks=n, hashes=hashes, indexed_blocks=pick[5], model=ctx.model)
 
-    def _catch_up(self, instance: str, now: float) -> None:
+    def _catch_up(self, instance: str, now: float, version: Hashable = _UNVERSIONED) -> None:
         """Settle ``instance``'s predictions the index has caught up with or that are too old."""
         pending = self._pending.get(instance)
         confirmed = None
         if pending and self.lookup is not None:
+            # Pending entries only come and go at the ends, so those the last scan found
+            # unconfirmed at this same index version stay unconfirmed: the scan stops at them.
+            seen = -1
+            if version is not _UNVERSIONED:
+                last_scan = self._unconfirmed.get(instance)
+                if last_scan is not None and last_scan[0] == version:
+                    seen = last_scan[1]
             # The newest confirmed prediction settles every older one (events are in order).
             for k in range(len(pending) - 1, max(len(pending) - 1 - CONFIRM_SCAN, -1), -1):
                 seq, model, last = pending[k]
+                if seq <= seen:
+                    break
                 if instance in self.lookup((last,), model):
                     confirmed = seq
                     self._indexed.add(instance)
                     break
+            if confirmed is None and version is not _UNVERSIONED:
+                self._unconfirmed[instance] = (version, pending[-1][0])
+            else:
+                self._unconfirmed.pop(instance, None)
         if instance in self._indexed:
             self.prediction.settle(instance, before=now - self.config.prediction_catch_up,
                                    upto_seq=confirmed)
@@ -285,11 +354,20 @@ class KvAware(Policy):
         if self.lookup is not None:
             # Watched for the index's confirmation, which also tells that the index follows
             # this instance at all (until then its predictions last the full TTL).
-            self._pending.setdefault(instance, deque()).append(
-                (seq, choice.model, choice.hashes[-1]))
+            pending = self._pending.get(instance)
+            if pending is None:
+                pending = self._pending[instance] = deque()
+            pending.append((seq, choice.model, choice.hashes[-1]))
 
     def forget(self, instance_id: str) -> None:
         self.prediction.forget(instance_id)
         self.work.forget(instance_id)
         self._indexed.discard(instance_id)
         self._pending.pop(instance_id, None)
+        self._unconfirmed.pop(instance_id, None)
+
+
+def _candidates(scored: list[tuple]) -> list[dict[str, Any]]:
+    return [{"instance_id": w.instance_id, "matched_blocks": m, "load": load,
+             "load_blocks": round(lb, 3), "indexed_blocks": mi, "cost": c}
+            for c, load, m, w, lb, mi in sorted(scored, key=lambda s: (s[0], s[1]))]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,18 +31,45 @@ class RouteContext:
         return self._hashes
 
 
-@dataclass
 class Choice:
-    worker: Worker
-    candidates: list[dict[str, Any]] = field(default_factory=list)
-    """Per-candidate detail for /debug/route (kv_aware fills matched blocks and cost)."""
-    matched_blocks: int = 0
-    prompt_blocks: int = 0
-    hashes: list[int] = field(default_factory=list)
-    indexed_blocks: int = 0
-    """Of ``matched_blocks``, those the block index shows (the rest are router predictions)."""
-    model: str | None = None
-    """The request's model (its index namespace)."""
+    """A policy's pick and what /debug/route and ``on_routed`` need to know about it."""
+
+    __slots__ = ("worker", "_candidates", "_build", "matched_blocks", "prompt_blocks", "hashes",
+                 "indexed_blocks", "model")
+
+    def __init__(self, worker: Worker,
+                 candidates: "list[dict[str, Any]] | Callable[[], list[dict[str, Any]]] | None"
+                 = None, matched_blocks: int = 0, prompt_blocks: int = 0,
+                 hashes: list[int] | None = None, indexed_blocks: int = 0,
+                 model: str | None = None) -> None:
+        self.worker = worker
+        # Built only when read (/debug/route): routing a request never needs them.
+        self._candidates = None if callable(candidates) else (candidates or [])
+        self._build = candidates if callable(candidates) else None
+        self.matched_blocks = matched_blocks
+        self.prompt_blocks = prompt_blocks
+        self.hashes = hashes if hashes is not None else []
+        self.indexed_blocks = indexed_blocks
+        """Of ``matched_blocks``, those the block index shows (the rest are router predictions)."""
+        self.model = model
+        """The request's model (its index namespace)."""
+
+    @property
+    def candidates(self) -> list[dict[str, Any]]:
+        """Per-candidate detail for /debug/route (kv_aware fills matched blocks and cost)."""
+        if self._candidates is None:
+            build, self._build = self._build, None
+            self._candidates = build() if build is not None else []
+        return self._candidates
+
+    @candidates.setter
+    def candidates(self, value: list[dict[str, Any]]) -> None:
+        self._candidates, self._build = value, None
+
+    def __repr__(self) -> str:
+        return (f"Choice(worker={self.worker.instance_id!r}, matched_blocks={self.matched_blocks}, "
+                f"prompt_blocks={self.prompt_blocks}, indexed_blocks={self.indexed_blocks}, "
+                f"model={self.model!r})")
 
 
 class Policy(ABC):
@@ -77,14 +105,14 @@ class RoundRobin(Policy):
         ordered = sorted(workers, key=lambda w: w.instance_id)
         worker = ordered[self._next % len(ordered)]
         self._next += 1
-        return Choice(worker, _plain(workers))
+        return Choice(worker, lambda: _plain(workers))
 
 
 class RandomPolicy(Policy):
     name = "random"
 
     def select(self, workers: list[Worker], ctx: RouteContext) -> Choice:
-        return Choice(self.rng.choice(workers), _plain(workers))
+        return Choice(self.rng.choice(workers), lambda: _plain(workers))
 
 
 class PowerOfTwo(Policy):
@@ -94,9 +122,25 @@ class PowerOfTwo(Policy):
 
     def select(self, workers: list[Worker], ctx: RouteContext) -> Choice:
         if len(workers) == 1:
-            return Choice(workers[0], _plain(workers))
-        a, b = self.rng.sample(workers, 2)
-        return Choice(a if a.load <= b.load else b, _plain(workers))
+            return Choice(workers[0], lambda: _plain(workers))
+        a, b = _sample_two(self.rng, workers)
+        return Choice(a if a.load <= b.load else b, lambda: _plain(workers))
+
+
+def _sample_two(rng: random.Random, workers: list[Worker]) -> tuple[Worker, Worker]:
+    """``rng.sample(workers, 2)``: the same draws and the same result, without its generality
+    (a few microseconds per request)."""
+    n = len(workers)
+    below = rng._randbelow  # what sample() itself draws with
+    if n <= 21:  # sample()'s pool method (its set size for k=2)
+        i = below(n)
+        j = below(n - 1)
+        return workers[i], workers[n - 1] if j == i else workers[j]
+    i = below(n)
+    j = below(n)
+    while j == i:
+        j = below(n)
+    return workers[i], workers[j]
 
 
 def make_policy(name: str, **kv_args: Any) -> Policy:

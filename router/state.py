@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,8 @@ class RouterState:
         self.session: aiohttp.ClientSession | None = None
         self.started_at = time.time()
         self.prefill_policy: Policy = make_policy(config.effective_prefill_policy,
-                                                  config=config, lookup=self.index_lookup)
+                                                  config=config, lookup=self.index_lookup,
+                                                  index_version=self.index_version)
         decode_name = config.effective_decode_policy
         # Decodes hold no reusable prefix: kv_aware on the decode side means load only.
         self.decode_policy: Policy = make_policy(
@@ -77,6 +78,17 @@ class RouterState:
         table = mirror.tables.get(name) if name else None
         return table.lookup(hashes) if table is not None else {}
 
+    def index_version(self) -> Hashable:
+        """Changes whenever ``index_lookup`` may answer differently (table versions are unique
+        process-wide; a table never written is empty)."""
+        mirror = self.mirror
+        if mirror is None or not mirror.ready:
+            return None
+        if mirror.model is not None:
+            table = mirror.tables.get(mirror.model)
+            return table.version if table is not None else 0
+        return tuple((name, t.version) for name, t in mirror.tables.items())
+
     def index_detail(self) -> dict[str, Any]:
         if self.config.etcd is None:
             return {"state": "off (no --etcd)"}
@@ -103,22 +115,23 @@ class RouterState:
 
     # --- selection ------------------------------------------------------------------------
 
-    def _available(self, role: str, exclude: set[str]) -> list[Worker]:
-        workers = [w for w in self.pools.pool(role) if w.available]
+    def _available(self, role: str, exclude: set[str] | None) -> list[Worker]:
+        workers = [w for w in self.pools.workers[role].values() if w.available]
         if not workers:
             raise NoWorkers(role, self.pools.unavailable_reason(role))
+        if not exclude:
+            return workers
         # Avoid workers that already failed this request while others remain.
         fresh = [w for w in workers if w.instance_id not in exclude]
         return fresh or workers
 
     def select_pair(self, ctx: RouteContext, exclude: set[str] | None = None) -> Pair:
-        exclude = exclude or set()
         t0 = time.perf_counter()
         prefills = self._available(PREFILL, exclude)
         decodes = self._available(DECODE, exclude)
         pair = Pair(self.prefill_policy.select(prefills, ctx),
                     self.decode_policy.select(decodes, ctx))
-        self.metrics.decision_latency.observe(time.perf_counter() - t0)
+        self.metrics.decision.observe(time.perf_counter() - t0)
         return pair
 
     def on_routed(self, pair: Pair) -> None:
@@ -128,8 +141,8 @@ class RouterState:
         m.child(m.decisions, PREFILL, p.worker.instance_id).inc()
         m.child(m.decisions, DECODE, d.worker.instance_id).inc()
         bs = self.config.block_size
-        m.prefix_hit_tokens.inc(p.matched_blocks * bs)
-        m.prompt_tokens.inc(p.prompt_blocks * bs)
+        m.prefix_hit.inc(p.matched_blocks * bs)
+        m.prompt.inc(p.prompt_blocks * bs)
 
     def refresh_gauges(self) -> None:
         m = self.metrics

@@ -125,6 +125,22 @@ def test_prediction_memory_is_bounded() -> None:
     assert pred.lookup([0]) == {}
 
 
+def test_repeated_prompt_entries_are_bounded_too() -> None:
+    # A hot prompt adds no new blocks, only entries: they must not pile up for the whole TTL.
+    pred = Prediction(ttl=1000, max_blocks=100, clock=lambda: 0.0)
+    shared = list(range(50))
+    for i in range(1000):
+        pred.add("p0", shared + [1000 + i % 3])
+    queue = pred._queues["p0"]
+    assert sum(len(e[2]) for e in queue) <= 200
+    assert pred.lookup(shared + [1000 + 999 % 3]) == {"p0": 51}
+    # The same prompt twice in a row is stored once.
+    pred.add("p1", shared)
+    pred.add("p1", list(shared))
+    first, second = pred._queues["p1"]
+    assert first[2] is second[2]
+
+
 def test_prediction_refresh_keeps_block() -> None:
     clock = Clock()
     pred = Prediction(ttl=10, clock=clock)
