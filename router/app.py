@@ -1,99 +1,152 @@
-"""The router's aiohttp app factory: state, background tasks and routes."""
+"""The router service: its state, background tasks, routes and HTTP server.
+
+``create_app(config)`` builds a ``RouterApp``; ``start()`` enters the lifecycle contexts (the
+etcd mirror and discovery, health checks) and listens; ``close()`` leaves them in reverse order.
+The HTTP layer is ``router.http`` rather than aiohttp: see ``router/http/server.py`` for why.
+"""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
-from collections.abc import AsyncIterator
-
-import aiohttp
-from aiohttp import web
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from index.errors import EtcdError
 from index.etcd import EtcdClient
 from index.mirror import BlockMirror
 from router import handlers
-from router.appkeys import DISPATCHER, HEALTH, STATE
 from router.config import RouterConfig
 from router.discovery import InstanceDiscovery
-from router.dispatch import Dispatcher
+from router.dispatch import Dispatcher, json_error
+from router.handlers import Services
 from router.health import HealthChecker
+from router.http.server import HttpServer, Request, Response, Stream
 from router.state import RouterState
+from router.upstreams import Upstreams
 
 logger = logging.getLogger(__name__)
 
+Route = Callable[[Request], Awaitable["Response | Stream"]]
 
 
-async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
-    state = app[STATE]
-    connector = aiohttp.TCPConnector(limit=state.config.max_connections, limit_per_host=0,
-                                     ttl_dns_cache=300)
-    state.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-    yield
-    await app[DISPATCHER].close()
-    await state.session.close()
+class RouterApp:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.state = RouterState(config)
+        self.upstreams = Upstreams(config, self.state.pools)
+        self.dispatcher = Dispatcher(self.state, self.upstreams)
+        self.health = HealthChecker(config, self.state.pools, self.upstreams)
+        self.server = HttpServer(self.handle, max_body=config.max_body,
+                                 limit_hint=" (router --max-body)")
+        self.port: int | None = None
+        self._stack = contextlib.AsyncExitStack()
+        svc = Services(self.state, self.dispatcher)
+        self.routes: dict[str, dict[str, Route]] = {}
+        for method, path, handler in (
+                ("POST", "/generate", handlers.generate),
+                ("POST", "/v1/completions", handlers.completions),
+                ("POST", "/v1/chat/completions", handlers.chat),
+                ("GET", "/v1/models", handlers.models),
+                ("GET", "/health", handlers.health),
+                ("GET", "/liveness", handlers.liveness),
+                ("GET", "/readiness", handlers.readiness),
+                ("GET", "/workers", handlers.list_workers),
+                ("POST", "/workers", handlers.add_worker),
+                ("DELETE", "/workers", handlers.delete_worker),
+                ("GET", "/metrics", handlers.metrics),
+                ("POST", "/debug/route", handlers.debug_route)):
+            self.routes.setdefault(path, {})[method] = functools.partial(handler, svc)
+
+    async def handle(self, request: Request) -> Response | Stream:
+        """Route one request; every answer is counted by route and status."""
+        m = self.state.metrics
+        methods = self.routes.get(request.path)
+        if methods is None:
+            answer: Response | Stream = json_error(404, f"no route {request.path!r}")
+            route = "unmatched"
+        else:
+            route = request.path
+            handler = methods.get(request.method)
+            if handler is None:
+                answer = json_error(405, f"{request.method} is not allowed on {request.path}; "
+                                         f"use {' or '.join(sorted(methods))}")
+            else:
+                try:
+                    answer = await handler(request)
+                except Exception:  # noqa: BLE001 - the router answers, whatever happened
+                    logger.exception("unexpected error on %s %s", request.method, request.path)
+                    answer = json_error(500, "internal router error (see the router log)")
+        status = answer.status if isinstance(answer, Response) else 200
+        m.child(m.requests, route, str(status)).inc()
+        return answer
+
+    async def start(self, host: str | None = None, port: int | None = None) -> int:
+        """Start the background work and listen; returns the bound port."""
+        try:
+            await self._stack.enter_async_context(self._upstreams_ctx())
+            await self._stack.enter_async_context(self._etcd_ctx())
+            await self._stack.enter_async_context(self._health_ctx())
+            self.port = await self.server.start(host or self.config.host,
+                                                self.config.port if port is None else port)
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self.port
+
+    async def close(self) -> None:
+        await self.server.close()
+        await self._stack.aclose()
+
+    @contextlib.asynccontextmanager
+    async def _upstreams_ctx(self) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            # Calls still running fail now; their bookkeeping callbacks release the loads.
+            self.upstreams.close()
+
+    @contextlib.asynccontextmanager
+    async def _etcd_ctx(self) -> AsyncIterator[None]:
+        state, cfg = self.state, self.config
+        if cfg.etcd is None:
+            yield
+            return
+        client = EtcdClient(cfg.etcd)
+        try:
+            await client.connect()
+        except EtcdError as exc:
+            # The mirror and discovery loops keep retrying; static workers serve meanwhile.
+            logger.warning("etcd not reachable at start (%s); retrying in the background", exc)
+        state.mirror = BlockMirror(client, cfg.layout, cfg.model)
+        state.discovery = InstanceDiscovery(client, cfg.layout, state.pools, cfg.model)
+        tasks = [state.mirror.start(),
+                 asyncio.create_task(state.discovery.run(), name="router-discovery")]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await client.close()
+
+    @contextlib.asynccontextmanager
+    async def _health_ctx(self) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.health.run(), name="router-health")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
-async def _etcd_ctx(app: web.Application) -> AsyncIterator[None]:
-    state = app[STATE]
-    cfg = state.config
-    if cfg.etcd is None:
-        yield
-        return
-    client = EtcdClient(cfg.etcd)
-    try:
-        await client.connect()
-    except EtcdError as exc:
-        # The mirror and discovery loops keep retrying; static workers serve meanwhile.
-        logger.warning("etcd not reachable at start (%s); retrying in the background", exc)
-    state.mirror = BlockMirror(client, cfg.layout, cfg.model)
-    state.discovery = InstanceDiscovery(client, cfg.layout, state.pools, cfg.model)
-    tasks = [state.mirror.start(),
-             asyncio.create_task(state.discovery.run(), name="router-discovery")]
-    yield
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-    await client.close()
-
-
-async def _health_ctx(app: web.Application) -> AsyncIterator[None]:
-    state = app[STATE]
-    assert state.session is not None
-    checker = HealthChecker(state.config, state.pools, state.session)
-    app[HEALTH] = checker
-    task = asyncio.create_task(checker.run(), name="router-health")
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
-def create_app(config: RouterConfig) -> web.Application:
-    # One byte over the limit is enough to tell "too large"; handlers turn aiohttp's 413 into JSON.
-    app = web.Application(client_max_size=config.max_body,
-                          middlewares=[handlers.error_middleware])
-    state = RouterState(config)
-    app[STATE] = state
-    app[DISPATCHER] = Dispatcher(state)
-    app.cleanup_ctx.extend([_session_ctx, _etcd_ctx, _health_ctx])
-    r = app.router
-    r.add_post("/generate", handlers.generate)
-    r.add_post("/v1/completions", handlers.completions)
-    r.add_post("/v1/chat/completions", handlers.chat)
-    r.add_get("/v1/models", handlers.models)
-    r.add_get("/health", handlers.health)
-    r.add_get("/liveness", handlers.liveness)
-    r.add_get("/readiness", handlers.readiness)
-    r.add_get("/workers", handlers.list_workers)
-    r.add_post("/workers", handlers.add_worker)
-    r.add_delete("/workers", handlers.delete_worker)
-    r.add_get("/metrics", handlers.metrics)
-    r.add_post("/debug/route", handlers.debug_route)
-    return app
+def create_app(config: RouterConfig) -> RouterApp:
+    return RouterApp(config)
 
 
 def new_loop(config: RouterConfig) -> asyncio.AbstractEventLoop:
@@ -108,15 +161,28 @@ def new_loop(config: RouterConfig) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def run(config: RouterConfig) -> None:
-    """Serve until interrupted (used by ``kvatlas router serve``)."""
-    loop = new_loop(config)
-    asyncio.set_event_loop(loop)
+async def serve(config: RouterConfig) -> None:
     app = create_app(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await app.start()
+    print(f"kvatlas router listening on http://{config.host}:{app.port} (prefill policy "
+          f"{config.effective_prefill_policy}, decode policy "
+          f"{config.effective_decode_policy})", flush=True)
     # Everything alive now lives as long as the process: keep it out of every GC pass.
     gc.freeze()
-    web.run_app(app, host=config.host, port=config.port, access_log=None,
-                loop=loop, print=lambda *_: print(
-                    f"kvatlas router listening on http://{config.host}:{config.port} "
-                    f"(prefill policy {config.effective_prefill_policy}, decode policy "
-                    f"{config.effective_decode_policy})", flush=True))
+    try:
+        await stop.wait()
+    finally:
+        await app.close()
+
+
+def run(config: RouterConfig) -> None:
+    """Serve until SIGINT/SIGTERM (used by ``kvatlas router serve``)."""
+    loop = new_loop(config)
+    try:
+        loop.run_until_complete(serve(config))
+    finally:
+        loop.close()

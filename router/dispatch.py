@@ -9,18 +9,19 @@ byte of a stream went to the client.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-from aiohttp import web
-
+from router.http.client import UpstreamError, UpstreamResponse, encode_headers
+from router.http.server import Request, Response, Stream
 from router.policy import RouteContext
 from router.requests import Parsed, inject
 from router.state import NoWorkers, Pair, RouterState
+from router.upstreams import Upstreams
 from router.workers import Worker
 
 logger = logging.getLogger(__name__)
@@ -41,9 +42,10 @@ class Failure:
 
 
 def json_error(status: int, message: str, request_id: str | None = None,
-               **extra: Any) -> web.Response:
+               **extra: Any) -> Response:
     headers = {"x-request-id": request_id} if request_id else None
-    return web.json_response({"error": message, **extra}, status=status, headers=headers)
+    return Response(status, json.dumps({"error": message, **extra}).encode(),
+                    headers=headers)
 
 
 def _record(state: RouterState, worker: Worker, status: int | None, reason: str = "") -> None:
@@ -57,19 +59,15 @@ def _record(state: RouterState, worker: Worker, status: int | None, reason: str 
 
 
 class Dispatcher:
-    def __init__(self, state: RouterState) -> None:
+    def __init__(self, state: RouterState, upstreams: Upstreams) -> None:
         self.state = state
-        self.background: set[asyncio.Task[Any]] = set()
+        self.upstreams = upstreams
 
-    def _timeout(self) -> aiohttp.ClientTimeout:
-        cfg = self.state.config
-        return aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout,
-                                     sock_read=cfg.request_timeout)
-
-    async def forward(self, request: web.Request, route: str, path: str, parsed: Parsed,
-                      headers: dict[str, str], request_id: str) -> web.StreamResponse:
+    async def forward(self, request: Request, route: str, path: str, parsed: Parsed,
+                      headers: dict[str, str], request_id: str) -> Response | Stream:
         state, cfg = self.state, self.state.config
         ctx = RouteContext(parsed.prompts[0], parsed.model or cfg.model)
+        wire_headers = encode_headers(headers)
         failed: set[str] = set()
         last: Failure | None = None
         for attempt in range(cfg.retry_max_attempts):
@@ -87,7 +85,7 @@ class Dispatcher:
             p = pair.prefill.worker
             body, rooms = inject(parsed, p.bootstrap_host, p.bootstrap_port, state.rng)
             state.on_routed(pair)
-            result = await self._attempt(request, path, pair, body, headers, parsed.stream,
+            result = await self._attempt(request, path, pair, body, wire_headers, parsed.stream,
                                          request_id)
             if not isinstance(result, Failure):
                 return result
@@ -96,149 +94,112 @@ class Dispatcher:
             logger.info("attempt %d of %s (room %d) failed with %d on %s", attempt + 1,
                         request_id, rooms[0], result.status, result.failed)
         assert last is not None
-        return web.Response(status=last.status, body=last.body,
-                            headers={"content-type": last.content_type,
-                                     "x-request-id": request_id})
+        return Response(last.status, last.body, last.content_type,
+                        {"x-request-id": request_id})
 
-    async def _attempt(self, request: web.Request, path: str, pair: Pair, body: bytes,
-                       headers: dict[str, str], stream: bool,
-                       request_id: str) -> web.StreamResponse | Failure:
+    async def _attempt(self, request: Request, path: str, pair: Pair, body: bytes,
+                       headers: bytes, stream: bool,
+                       request_id: str) -> Response | Stream | Failure:
         prefill, decode = pair.prefill.worker, pair.decode.worker
         prefill.requests += 1
         decode.requests += 1
-        # Counted now, not when the task first runs, so that the very next decision sees it;
-        # released by a callback, which also runs when the task is cancelled before starting.
+        # Counted now so that the very next decision sees it; the prefill's is released by its
+        # future's callback, which also runs when the call is cancelled.
         prefill.load += 1
-        prefill_task = asyncio.create_task(self._prefill(prefill, path, body, headers))
-        prefill_task.add_done_callback(lambda _: _release(prefill))
         decode.load += 1
-        decode_t0 = time.perf_counter()
-        decode_task = asyncio.create_task(self._decode(decode, path, body, headers, stream))
+        t0 = time.perf_counter()
+        prefill_call = self.upstreams.of(prefill).call("POST", path, headers, body)
+        prefill_call.add_done_callback(functools.partial(self._prefill_done, prefill, t0))
+        decode_call = self.upstreams.of(decode).call("POST", path, headers, body, stream=stream)
         try:
-            pending: set[asyncio.Task[Any]] = {prefill_task, decode_task}
-            while not decode_task.done():
-                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if prefill_task.done() and prefill_task.result() is not None:
+            while not decode_call.done():
+                await _next_done(prefill_call, decode_call)
+                err = _prefill_error(prefill_call)
+                if err is not None:
                     # No KV will come: stop the decode rather than let it wait for a timeout.
-                    await _cancel(decode_task)
+                    _drop(decode_call)
                     decode.load -= 1
-                    return self._prefill_failure(prefill, prefill_task.result())
+                    return self._prefill_failure(prefill, err)
+            resp = decode_call.result()
+            first = await resp.read_chunk() if stream and resp.status == 200 else resp.take()
         except asyncio.CancelledError:
-            await _cancel(decode_task)
-            await _cancel(prefill_task)
+            _drop(decode_call)
+            _drop(prefill_call)
             decode.load -= 1
             raise
-        try:
-            resp, first = decode_task.result()
-        except Exception as exc:  # noqa: BLE001 - any decode failure is this attempt's failure
+        except UpstreamError as exc:
             decode.load -= 1
             _record(self.state, decode, None, "transport")
-            await _cancel(prefill_task)
-            return Failure(502, _err(f"decode {decode.instance_id} failed: {exc!r}"),
+            _drop(decode_call)
+            _drop(prefill_call)
+            return Failure(502, _err(f"decode {decode.instance_id} failed: {exc}"),
                            "application/json", decode.instance_id)
         status = resp.status
         if status in RETRY_STATUSES or status >= 500:
             decode.load -= 1
             _record(self.state, decode, status)
-            await _cancel(prefill_task)
+            _drop(prefill_call)
             resp.release()
-            return Failure(status, first, resp.content_type or "application/json",
-                           decode.instance_id)
+            return Failure(status, first, resp.content_type, decode.instance_id)
         if not stream or status != 200:
             _record(self.state, decode, status)
             decode.load -= 1
-            self.state.metrics.latency["decode"].observe(
-                time.perf_counter() - decode_t0)
+            self.state.metrics.latency["decode"].observe(time.perf_counter() - t0)
+            resp.release()
             if not stream:
                 # Non-streamed: the prefill's outcome decides too (SGLang waits for both).
-                await asyncio.wait({prefill_task})
-                err = prefill_task.result()
+                await _next_done(prefill_call)
+                err = _prefill_error(prefill_call)
                 if err is not None:
                     return self._prefill_failure(prefill, err)
-            else:
-                self._keep(prefill_task)
-            resp.release()
-            return web.Response(status=status, body=first,
-                                headers={"content-type": resp.headers.get(
-                                    "content-type", "application/json"),
-                                    "x-request-id": request_id})
-        if prefill_task.done() and prefill_task.result() is not None:
+            return Response(status, first, resp.content_type, {"x-request-id": request_id})
+        err = _prefill_error(prefill_call)
+        if err is not None:
             # The decode started streaming but its KV source failed: nothing sent yet, retry.
             decode.load -= 1
             resp.close()
-            return self._prefill_failure(prefill, prefill_task.result())
-        self._keep(prefill_task)
-        return await self._stream(request, decode, resp, first, request_id, decode_t0)
+            return self._prefill_failure(prefill, err)
+        return await self._stream(request, decode, resp, first, request_id, t0)
 
-    def _prefill_failure(self, prefill: Worker, err: tuple[int | None, str]) -> Failure:
-        status, reason = err
-        return Failure(502, _err(f"prefill {prefill.instance_id} failed: {reason}"),
+    def _prefill_failure(self, prefill: Worker, err: str) -> Failure:
+        return Failure(502, _err(f"prefill {prefill.instance_id} failed: {err}"),
                        "application/json", prefill.instance_id)
 
-    def _keep(self, task: asyncio.Task[Any]) -> None:
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-
-    async def _prefill(self, worker: Worker, path: str, body: bytes,
-                       headers: dict[str, str]) -> tuple[int | None, str] | None:
-        """None on success, else (status or None, reason)."""
-        t0 = time.perf_counter()
-        try:
-            assert self.state.session is not None
-            async with self.state.session.post(worker.url + path, data=body, headers=headers,
-                                               timeout=self._timeout()) as resp:
-                # The answer is drained so the connection can be reused; SGLang ignores it.
-                await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    def _prefill_done(self, worker: Worker, t0: float,
+                      call: asyncio.Future[UpstreamResponse]) -> None:
+        """Bookkeeping of a finished prefill call (the decode side never waits for this)."""
+        worker.load -= 1
+        self.state.metrics.latency["prefill"].observe(time.perf_counter() - t0)
+        if call.cancelled():
+            return
+        exc = call.exception()
+        if exc is not None:
             _record(self.state, worker, None, "transport")
-            return None, f"transport error {exc!r}"
-        except Exception as exc:  # noqa: BLE001 - never let one upstream take the router down
-            logger.exception("prefill %s: unexpected error", worker.instance_id)
-            _record(self.state, worker, None, "error")
-            return None, f"unexpected error {exc!r}"
-        finally:
-            self.state.metrics.latency["prefill"].observe(
-                time.perf_counter() - t0)
-        _record(self.state, worker, status)
-        if status >= 500:
-            return status, f"status {status}"
-        return None
+            return
+        resp = call.result()
+        # The answer is read whole so the connection can be reused; SGLang ignores it.
+        resp.release()
+        _record(self.state, worker, resp.status)
 
-    async def _decode(self, worker: Worker, path: str, body: bytes, headers: dict[str, str],
-                      stream: bool) -> tuple[aiohttp.ClientResponse, bytes]:
-        """The decode's response with its whole body, or (stream) its first chunk."""
-        assert self.state.session is not None
-        resp = await self.state.session.post(worker.url + path, data=body, headers=headers,
-                                             timeout=self._timeout())
-        try:
-            if stream and resp.status == 200:
-                first = await resp.content.readany()
-            else:
-                first = await resp.read()
-        except BaseException:
-            resp.close()
-            raise
-        return resp, first
-
-    async def _stream(self, request: web.Request, decode: Worker, upstream: aiohttp.ClientResponse,
-                      first: bytes, request_id: str, t0: float) -> web.StreamResponse:
-        out = web.StreamResponse(status=upstream.status, headers={
-            "content-type": upstream.headers.get("content-type", "text/event-stream"),
-            "cache-control": "no-cache", "x-request-id": request_id})
+    async def _stream(self, request: Request, decode: Worker, upstream: UpstreamResponse,
+                      first: bytes, request_id: str, t0: float) -> Stream:
         ok = False
         try:
-            await out.prepare(request)
-            if first:
-                await out.write(first)
-            async for chunk in upstream.content.iter_any():
+            out = await request.stream(upstream.status, upstream.headers.get(
+                "content-type", "text/event-stream"),
+                {"cache-control": "no-cache", "x-request-id": request_id})
+            chunk = first
+            while chunk:
                 await out.write(chunk)
-            await out.write_eof()
+                chunk = await upstream.read_chunk()
+            await out.end()
             ok = True
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            logger.warning("stream from decode %s broke after the first byte (not retried): %r",
+        except UpstreamError as exc:
+            logger.warning("stream from decode %s broke after the first byte (not retried): %s",
                            decode.instance_id, exc)
-        except (ConnectionResetError, OSError):
+            # Ending the chunked body cleanly would tell the client the answer is complete.
+            request.abort()
+        except ConnectionResetError:
             logger.info("client of %s went away mid-stream", request_id)
             ok = True
         finally:
@@ -251,29 +212,43 @@ class Dispatcher:
             self.state.metrics.latency["decode"].observe(time.perf_counter() - t0)
         return out
 
-    async def close(self) -> None:
-        for task in list(self.background):
-            await _cancel(task)
+def _prefill_error(call: asyncio.Future[UpstreamResponse]) -> str | None:
+    """Why a finished prefill call failed (None while running or when it succeeded)."""
+    if not call.done():
+        return None
+    if call.cancelled():
+        return "cancelled"
+    exc = call.exception()
+    if exc is not None:
+        return f"transport error ({exc})"
+    status = call.result().status
+    return f"status {status}" if status >= 500 else None
 
 
-def _release(worker: Worker) -> None:
-    worker.load -= 1
-
-
-async def _cancel(task: asyncio.Task[Any]) -> None:
-    if task.done():
-        if not task.cancelled():
-            exc = task.exception()
-            if exc is None:
-                res = task.result()
-                if isinstance(res, tuple) and res and isinstance(res[0], aiohttp.ClientResponse):
-                    res[0].close()
+async def _next_done(*futures: asyncio.Future[Any]) -> None:
+    """Wait until one more of ``futures`` is done (``asyncio.wait`` costs more per request)."""
+    pending = [f for f in futures if not f.done()]
+    if not pending:
         return
-    task.cancel()
+    waiter = asyncio.get_running_loop().create_future()
+
+    def wake(_: asyncio.Future[Any]) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    for f in pending:
+        f.add_done_callback(wake)
     try:
-        await task
-    except (asyncio.CancelledError, Exception):
-        pass
+        await waiter
+    finally:
+        for f in pending:
+            f.remove_done_callback(wake)
+
+
+def _drop(call: asyncio.Future[UpstreamResponse]) -> None:
+    """Abandon a call: cancelling drops its connection; a finished one is closed."""
+    if not call.cancel() and not call.cancelled() and call.exception() is None:
+        call.result().close()
 
 
 def _err(message: str) -> bytes:

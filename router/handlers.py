@@ -5,56 +5,29 @@ import hmac
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
-from router.appkeys import DISPATCHER, STATE
 from router.config import parse_bootstrap_port
-from router.dispatch import HOP_HEADERS, json_error
+from router.dispatch import HOP_HEADERS, Dispatcher, json_error
+from router.http.server import Request, Response, Stream, json_response
 from router.policy import RouteContext
 from router.requests import CHAT, COMPLETIONS, GENERATE, PARSERS, BadRequest, load_json, parse_any
-from router.state import NoWorkers, UnknownModel
+from router.state import NoWorkers, RouterState, UnknownModel
 from router.workers import DECODE, PREFILL, ROLES
 
 logger = logging.getLogger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+@dataclass
+class Services:
+    """What the handlers work with."""
+
+    state: RouterState
+    dispatcher: Dispatcher
 
 
-def _route_label(request: web.Request) -> str:
-    info = request.match_info
-    route = getattr(info, "route", None)
-    resource = getattr(route, "resource", None)
-    return resource.canonical if resource is not None else "unmatched"
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    status = 500
-    try:
-        resp = await handler(request)
-        status = resp.status
-        return resp
-    except web.HTTPRequestEntityTooLarge:
-        status = 413
-        limit = request.app[STATE].config.max_body
-        return json_error(413, f"body too large: the limit is {limit} bytes (router --max-body)")
-    except web.HTTPException as exc:
-        status = exc.status
-        if exc.status < 400:
-            raise
-        return json_error(exc.status, exc.reason)
-    except Exception:  # noqa: BLE001 - the router answers, whatever happened
-        logger.exception("unexpected error on %s %s", request.method, request.path)
-        return json_error(500, "internal router error (see the router log)")
-    finally:
-        m = request.app[STATE].metrics
-        m.child(m.requests, _route_label(request), str(status)).inc()
-
-
-def request_id_of(request: web.Request) -> str:
+def request_id_of(request: Request) -> str:
     rid = request.headers.get("x-request-id", "")
     if 0 < len(rid) <= 256 and rid.isprintable():
         return rid
@@ -62,7 +35,7 @@ def request_id_of(request: web.Request) -> str:
     return f"{random.getrandbits(128):032x}"
 
 
-def forward_headers(request: web.Request, request_id: str) -> dict[str, str]:
+def forward_headers(request: Request, request_id: str) -> dict[str, str]:
     headers = {"content-type": "application/json", "x-request-id": request_id}
     for name in HOP_HEADERS:
         value = request.headers.get(name)
@@ -71,22 +44,12 @@ def forward_headers(request: web.Request, request_id: str) -> dict[str, str]:
     return headers
 
 
-async def _raw(request: web.Request) -> bytes:
-    limit = request.app[STATE].config.max_body
-    if request.content_length is not None and request.content_length > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    return await request.read()
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    return load_json(await _raw(request))
-
-
-async def _proxy(request: web.Request, kind: str, path: str) -> web.StreamResponse:
-    state = request.app[STATE]
+async def _proxy(svc: Services, request: Request, kind: str,
+                 path: str) -> Response | Stream:
+    state = svc.state
     rid = request_id_of(request)
     try:
-        raw = await _raw(request)
+        raw = request.body
         parsed = PARSERS[kind](load_json(raw), state.config.max_tokens)
         parsed.raw = raw
         state.check_model(parsed.model)
@@ -94,26 +57,26 @@ async def _proxy(request: web.Request, kind: str, path: str) -> web.StreamRespon
         return json_error(exc.status, str(exc), rid)
     except UnknownModel as exc:
         return json_error(404, str(exc), rid)
-    return await request.app[DISPATCHER].forward(request, path, path, parsed,
-                                                 forward_headers(request, rid), rid)
+    return await svc.dispatcher.forward(request, path, path, parsed,
+                                        forward_headers(request, rid), rid)
 
 
-async def generate(request: web.Request) -> web.StreamResponse:
-    return await _proxy(request, GENERATE, "/generate")
+async def generate(svc: Services, request: Request) -> Response | Stream:
+    return await _proxy(svc, request, GENERATE, "/generate")
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _proxy(request, COMPLETIONS, "/v1/completions")
+async def completions(svc: Services, request: Request) -> Response | Stream:
+    return await _proxy(svc, request, COMPLETIONS, "/v1/completions")
 
 
-async def chat(request: web.Request) -> web.StreamResponse:
-    return await _proxy(request, CHAT, "/v1/chat/completions")
+async def chat(svc: Services, request: Request) -> Response | Stream:
+    return await _proxy(svc, request, CHAT, "/v1/chat/completions")
 
 
-async def debug_route(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
+async def debug_route(svc: Services, request: Request) -> Response:
+    state = svc.state
     try:
-        parsed = parse_any(await _body(request), state.config.max_tokens)
+        parsed = parse_any(load_json(request.body), state.config.max_tokens)
         state.check_model(parsed.model)
     except BadRequest as exc:
         return json_error(exc.status, str(exc))
@@ -126,7 +89,7 @@ async def debug_route(request: web.Request) -> web.StreamResponse:
     except NoWorkers as exc:
         return json_error(503, str(exc), role=exc.role)
     p, d = pair.prefill, pair.decode
-    return web.json_response({
+    return json_response({
         "prefill": {"instance_id": p.worker.instance_id, "url": p.worker.url,
                     "bootstrap_host": p.worker.bootstrap_host,
                     "bootstrap_port": p.worker.bootstrap_port},
@@ -139,24 +102,24 @@ async def debug_route(request: web.Request) -> web.StreamResponse:
     })
 
 
-async def models(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
+async def models(svc: Services, request: Request) -> Response:
+    state = svc.state
     now = int(state.started_at)
-    return web.json_response({"object": "list", "data": [
+    return json_response({"object": "list", "data": [
         {"id": m, "object": "model", "created": now, "owned_by": "kvatlas"}
         for m in sorted(state.pools.models())]})
 
 
-async def health(request: web.Request) -> web.StreamResponse:
-    return web.json_response({"status": "ok"})
+async def health(svc: Services, request: Request) -> Response:
+    return json_response({"status": "ok"})
 
 
-async def liveness(request: web.Request) -> web.StreamResponse:
-    return web.json_response({"status": "alive"})
+async def liveness(svc: Services, request: Request) -> Response:
+    return json_response({"status": "alive"})
 
 
-async def readiness(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
+async def readiness(svc: Services, request: Request) -> Response:
+    state = svc.state
     detail: dict[str, Any] = {}
     ready = True
     for role in ROLES:
@@ -168,17 +131,17 @@ async def readiness(request: web.Request) -> web.StreamResponse:
             detail[role]["reason"] = state.pools.unavailable_reason(role)
     detail["index"] = state.index_detail()
     detail["status"] = "ready" if ready else "not ready"
-    return web.json_response(detail, status=200 if ready else 503)
+    return json_response(detail, status=200 if ready else 503)
 
 
-async def list_workers(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    return web.json_response({role: [w.describe() for w in state.pools.pool(role)]
+async def list_workers(svc: Services, request: Request) -> Response:
+    state = svc.state
+    return json_response({role: [w.describe() for w in state.pools.pool(role)]
                               for role in ROLES})
 
 
-def _check_admin(request: web.Request) -> web.Response | None:
-    token = request.app[STATE].config.admin_token
+def _check_admin(svc: Services, request: Request) -> Response | None:
+    token = svc.state.config.admin_token
     if token is None:
         return json_error(403, "worker administration is disabled: start the router with "
                                "--admin-token")
@@ -189,20 +152,20 @@ def _check_admin(request: web.Request) -> web.Response | None:
     return None
 
 
-async def _admin_args(request: web.Request) -> dict[str, Any]:
+def _admin_args(request: Request) -> dict[str, Any]:
     args: dict[str, Any] = dict(request.query)
-    if request.can_read_body:
-        args.update(await _body(request))
+    if request.body:
+        args.update(load_json(request.body))
     return args
 
 
-async def add_worker(request: web.Request) -> web.StreamResponse:
-    denied = _check_admin(request)
+async def add_worker(svc: Services, request: Request) -> Response:
+    denied = _check_admin(svc, request)
     if denied is not None:
         return denied
-    state = request.app[STATE]
+    state = svc.state
     try:
-        args = await _admin_args(request)
+        args = _admin_args(request)
         role = args.get("role", args.get("worker_type", PREFILL))
         if role not in ROLES:
             raise BadRequest("role", f"must be one of {list(ROLES)}")
@@ -219,16 +182,16 @@ async def add_worker(request: web.Request) -> web.StreamResponse:
         return json_error(400, str(exc))
     except ValueError as exc:
         return json_error(400, str(exc))
-    return web.json_response(worker.describe(), status=201)
+    return json_response(worker.describe(), status=201)
 
 
-async def delete_worker(request: web.Request) -> web.StreamResponse:
-    denied = _check_admin(request)
+async def delete_worker(svc: Services, request: Request) -> Response:
+    denied = _check_admin(svc, request)
     if denied is not None:
         return denied
-    state = request.app[STATE]
+    state = svc.state
     try:
-        args = await _admin_args(request)
+        args = _admin_args(request)
     except BadRequest as exc:
         return json_error(400, str(exc))
     url, iid = args.get("url"), args.get("instance_id")
@@ -241,11 +204,10 @@ async def delete_worker(request: web.Request) -> web.StreamResponse:
     if not gone:
         return json_error(404, f"no worker with {'instance_id' if iid else 'url'} "
                                f"{iid or url!r}")
-    return web.json_response({"removed": [w.describe() for w in gone]})
+    return json_response({"removed": [w.describe() for w in gone]})
 
 
-async def metrics(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
+async def metrics(svc: Services, request: Request) -> Response:
+    state = svc.state
     state.refresh_gauges()
-    return web.Response(body=state.metrics.render(),
-                        headers={"content-type": "text/plain; version=0.0.4; charset=utf-8"})
+    return Response(200, state.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")

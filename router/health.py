@@ -4,9 +4,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
-
 from router.config import RouterConfig
+from router.http.client import UpstreamError
+from router.upstreams import Upstreams
 from router.workers import Worker, WorkerPools
 
 logger = logging.getLogger(__name__)
@@ -14,10 +14,10 @@ logger = logging.getLogger(__name__)
 
 class HealthChecker:
     def __init__(self, config: RouterConfig, pools: WorkerPools,
-                 session: aiohttp.ClientSession) -> None:
+                 upstreams: Upstreams) -> None:
         self.config = config
         self.pools = pools
-        self.session = session
+        self.upstreams = upstreams
         self.rounds = 0
 
     async def run(self) -> None:
@@ -34,11 +34,11 @@ class HealthChecker:
     async def check(self, worker: Worker) -> bool:
         ok = False
         try:
-            timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
-            async with self.session.get(f"{worker.url}/health", timeout=timeout) as resp:
-                await resp.read()
-                ok = resp.status < 500
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            resp = await asyncio.wait_for(self.upstreams.of(worker).request(
+                "GET", "/health", {}, b""), self.config.health_timeout)
+            resp.release()
+            ok = resp.status < 500
+        except (UpstreamError, asyncio.TimeoutError) as exc:
             logger.debug("health check of %s failed: %r", worker.url, exc)
         cfg = self.config
         if ok:

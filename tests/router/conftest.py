@@ -5,9 +5,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
-
-from router_stubs import StubWorker, router_app, router_config
+from router_stubs import RouterClient, StubWorker, router_app, router_config
 
 
 @pytest.fixture
@@ -25,10 +23,25 @@ async def stubs() -> AsyncIterator[Callable[[str, int], Awaitable[list[StubWorke
 
 
 @pytest.fixture
-def make_router(aiohttp_client: Any) -> Callable[..., Awaitable[TestClient]]:
+async def start_router() -> AsyncIterator[Callable[..., Awaitable[RouterClient]]]:
+    """Starts routers for a test (``await start_router(config)``); all are closed after."""
+    started: list[RouterClient] = []
+
+    async def start(config: Any) -> RouterClient:
+        client = await RouterClient(router_app(config)).start()
+        started.append(client)
+        return client
+
+    yield start
+    for client in started:
+        await client.close()
+
+
+@pytest.fixture
+def make_router(start_router: Any) -> Callable[..., Awaitable[RouterClient]]:
     async def make(prefills: list[StubWorker], decodes: list[StubWorker],
-                   **kw: Any) -> TestClient:
-        return await aiohttp_client(router_app(router_config(prefills, decodes, **kw)))
+                   **kw: Any) -> RouterClient:
+        return await start_router(router_config(prefills, decodes, **kw))
 
     return make
 

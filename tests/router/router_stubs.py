@@ -6,10 +6,11 @@ import asyncio
 import json
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from kvatlas.etcd_proc import free_port
-from router.app import create_app
+from router.app import RouterApp, create_app
 from router.config import RouterConfig
 
 
@@ -98,5 +99,39 @@ def router_config(prefills: list[StubWorker], decodes: list[StubWorker],
                         decode=[d.url for d in decodes], **kw)
 
 
-def router_app(config: RouterConfig) -> web.Application:
+class RouterClient:
+    """A router listening on a free loopback port, and an aiohttp session pointed at it: the
+    tests speak real HTTP to the router's own server."""
+
+    def __init__(self, app: RouterApp) -> None:
+        self.app = app
+        self.session: aiohttp.ClientSession | None = None
+        self.url = ""
+
+    async def start(self) -> "RouterClient":
+        port = await self.app.start("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{port}"
+        self.session = aiohttp.ClientSession(base_url=self.url)
+        return self
+
+    def request(self, method: str, path: str, **kw: Any) -> Any:
+        assert self.session is not None
+        return self.session.request(method, path, **kw)
+
+    def get(self, path: str, **kw: Any) -> Any:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, **kw: Any) -> Any:
+        return self.request("POST", path, **kw)
+
+    def delete(self, path: str, **kw: Any) -> Any:
+        return self.request("DELETE", path, **kw)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+        await self.app.close()
+
+
+def router_app(config: RouterConfig) -> RouterApp:
     return create_app(config)

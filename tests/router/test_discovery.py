@@ -3,29 +3,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiohttp.test_utils import TestClient
-
 from etcd_instances import wait_for
 
-from router.app import create_app
 from router.config import RouterConfig
 
 
-async def router(aiohttp_client: Any, etcd_settings: Any, key_prefix: str,
-                 **kw: Any) -> TestClient:
+async def router(start_router: Any, etcd_settings: Any, key_prefix: str,
+                 **kw: Any) -> Any:
     cfg = RouterConfig(etcd=etcd_settings, etcd_prefix=key_prefix, health_interval=60, **kw)
-    return await aiohttp_client(create_app(cfg))
+    return await start_router(cfg)
 
 
 def ids(workers: dict[str, list[dict[str, Any]]], role: str) -> set[str]:
     return {w["instance_id"] for w in workers[role] if w["ready"]}
 
 
-async def test_join_and_leave_within_a_second(aiohttp_client: Any, etcd: Any, layout: Any,
+async def test_join_and_leave_within_a_second(start_router: Any, etcd: Any, layout: Any,
                                               etcd_settings: Any, key_prefix: str,
                                               stubs: Any, register: Any) -> None:
     (p,), (d,) = await stubs("prefill"), await stubs("decode")
-    client = await router(aiohttp_client, etcd_settings, key_prefix, model="tiny")
+    client = await router(start_router, etcd_settings, key_prefix, model="tiny")
     assert (await client.get("/readiness")).status == 503
 
     async def listed(role: str, iid: str, present: bool = True) -> bool:
@@ -59,7 +56,7 @@ async def test_join_and_leave_within_a_second(aiohttp_client: Any, etcd: Any, la
     assert ready.status == 503 and "no prefill" in (await ready.json())["prefill"]["reason"]
 
 
-async def test_records_ignored_when_unusable(aiohttp_client: Any, etcd: Any, layout: Any,
+async def test_records_ignored_when_unusable(start_router: Any, etcd: Any, layout: Any,
                                              etcd_settings: Any, key_prefix: str,
                                              stubs: Any, register: Any) -> None:
     (p,) = await stubs("prefill")
@@ -70,7 +67,7 @@ async def test_records_ignored_when_unusable(aiohttp_client: Any, etcd: Any, lay
                                               % p.url).encode())
     await etcd.put(layout.instance("good"), ('{"role": "prefill", "model": "tiny", "url": "%s"}'
                                              % p.url).encode())
-    client = await router(aiohttp_client, etcd_settings, key_prefix, model="tiny")
+    client = await router(start_router, etcd_settings, key_prefix, model="tiny")
 
     async def only_good() -> bool:
         workers = await (await client.get("/workers")).json()
@@ -87,10 +84,10 @@ async def test_records_ignored_when_unusable(aiohttp_client: Any, etcd: Any, lay
 
 
 async def test_etcd_record_shadows_static_worker_with_same_url(
-        aiohttp_client: Any, etcd_settings: Any, key_prefix: str, stubs: Any,
+        start_router: Any, etcd_settings: Any, key_prefix: str, stubs: Any,
         register: Any) -> None:
     (p,), (d,) = await stubs("prefill"), await stubs("decode")
-    client = await router(aiohttp_client, etcd_settings, key_prefix, prefill=[(p.url, None)],
+    client = await router(start_router, etcd_settings, key_prefix, prefill=[(p.url, None)],
                           decode=[d.url])
     inst = await register("p-real", {"role": "prefill", "url": p.url, "bootstrap_port": 9000})
 
@@ -112,14 +109,14 @@ async def test_etcd_record_shadows_static_worker_with_same_url(
     await wait_for(static_back)
 
 
-async def test_static_workers_serve_while_etcd_is_unreachable(aiohttp_client: Any,
+async def test_static_workers_serve_while_etcd_is_unreachable(start_router: Any,
                                                               stubs: Any) -> None:
     from index.etcd import EtcdSettings
     from kvatlas.etcd_proc import free_port
     (p,), (d,) = await stubs("prefill"), await stubs("decode")
     dead = EtcdSettings.from_text(f"127.0.0.1:{free_port()}", timeout=0.5)
-    client = await aiohttp_client(create_app(RouterConfig(
-        etcd=dead, prefill=[(p.url, None)], decode=[d.url], health_interval=60)))
+    client = await start_router(RouterConfig(
+        etcd=dead, prefill=[(p.url, None)], decode=[d.url], health_interval=60))
     resp = await client.post("/generate", json={"text": "still routing"})
     assert resp.status == 200
     ready = await client.get("/readiness")

@@ -6,19 +6,16 @@ from typing import Any
 
 import pytest
 
-from router.app import create_app
-from router.appkeys import HEALTH
 from router.config import RouterConfig
 
 
-async def test_health_checks_mark_unhealthy_and_back(stubs: Any, aiohttp_client: Any) -> None:
+async def test_health_checks_mark_unhealthy_and_back(stubs: Any, start_router: Any) -> None:
     (p,), decodes = await stubs("prefill"), await stubs("decode", 2)
     cfg = RouterConfig(prefill=[(p.url, None)], decode=[d.url for d in decodes],
                        health_interval=3600, health_failure_threshold=2,
                        health_success_threshold=2)
-    app = create_app(cfg)
-    client = await aiohttp_client(app)
-    checker = app[HEALTH]
+    client = await start_router(cfg)
+    checker = client.app.health
     decodes[0].health_status = 503
     await checker.check_all()
     await checker.check_all()

@@ -7,14 +7,13 @@ from typing import Any
 from etcd_instances import wait_for
 from index.etcd_index import EtcdBlockIndex
 from index.hashing import block_hashes
-from router.app import create_app
 from router.config import RouterConfig
 from router.tokenize import encode_text
 
 SYSTEM = "You are kvatlas, a careful assistant. Answer briefly and cite sources. " * 4
 
 
-async def test_routes_to_longest_prefix_holder(aiohttp_client: Any, etcd: Any, layout: Any,
+async def test_routes_to_longest_prefix_holder(start_router: Any, etcd: Any, layout: Any,
                                                etcd_settings: Any, key_prefix: str,
                                                stubs: Any, register: Any) -> None:
     prefills, (d,) = await stubs("prefill", 3), await stubs("decode")
@@ -24,13 +23,13 @@ async def test_routes_to_longest_prefix_holder(aiohttp_client: Any, etcd: Any, l
     index = EtcdBlockIndex(etcd, layout, "tiny")
     await index.start()
     try:
-        await check_routing(aiohttp_client, etcd_settings, key_prefix, index, prefills, d,
+        await check_routing(start_router, etcd_settings, key_prefix, index, prefills, d,
                             instances)
     finally:
         await index.close()
 
 
-async def check_routing(aiohttp_client: Any, etcd_settings: Any, key_prefix: str,
+async def check_routing(start_router: Any, etcd_settings: Any, key_prefix: str,
                         index: EtcdBlockIndex, prefills: Any, d: Any, instances: Any) -> None:
     prompt = SYSTEM + "What is etcd?"
     hashes = block_hashes(encode_text(prompt), 16)
@@ -38,8 +37,8 @@ async def check_routing(aiohttp_client: Any, etcd_settings: Any, key_prefix: str
     await index.add("p1", None, hashes[:3])
     await index.settle()
 
-    client = await aiohttp_client(create_app(RouterConfig(
-        etcd=etcd_settings, etcd_prefix=key_prefix, model="tiny", health_interval=60)))
+    client = await start_router(RouterConfig(
+        etcd=etcd_settings, etcd_prefix=key_prefix, model="tiny", health_interval=60))
 
     async def decided() -> Any:
         resp = await client.post("/debug/route", json={"text": prompt})
@@ -85,10 +84,10 @@ async def check_routing(aiohttp_client: Any, etcd_settings: Any, key_prefix: str
     await wait_for(moved)
 
 
-async def test_burst_sticks_before_events_arrive(aiohttp_client: Any, stubs: Any) -> None:
+async def test_burst_sticks_before_events_arrive(start_router: Any, stubs: Any) -> None:
     prefills, (d,) = await stubs("prefill", 4), await stubs("decode")
-    client = await aiohttp_client(create_app(RouterConfig(
-        prefill=[(p.url, None) for p in prefills], decode=[d.url], health_interval=60)))
+    client = await start_router(RouterConfig(
+        prefill=[(p.url, None) for p in prefills], decode=[d.url], health_interval=60))
     prompt = SYSTEM + "burst"
     for _ in range(8):
         assert (await client.post("/generate", json={"text": prompt})).status == 200

@@ -51,12 +51,10 @@ async def test_batch_gets_lists_with_distinct_rooms(stubs: Any, make_router: Any
     assert resp.status == 200 and len(set(d.bodies[1]["bootstrap_room"])) == 2
 
 
-async def test_static_bootstrap_port_is_injected(stubs: Any, aiohttp_client: Any) -> None:
-    from router.app import create_app
+async def test_static_bootstrap_port_is_injected(stubs: Any, start_router: Any) -> None:
     from router.config import RouterConfig
     (p,), (d,) = await stubs("prefill"), await stubs("decode")
-    client = await aiohttp_client(create_app(RouterConfig(prefill=[(p.url, "9123")],
-                                                          decode=[d.url])))
+    client = await start_router(RouterConfig(prefill=[(p.url, "9123")], decode=[d.url]))
     assert (await client.post("/v1/completions", json={"prompt": "x"})).status == 200
     assert d.bodies[0]["bootstrap_port"] == 9123
 

@@ -1,0 +1,35 @@
+"""One keep-alive upstream pool per worker URL, shared by dispatch and the health checks."""
+from __future__ import annotations
+
+from router.config import RouterConfig
+from router.http.client import UpstreamPool
+from router.workers import Worker, WorkerPools
+
+
+class Upstreams:
+    def __init__(self, config: RouterConfig, workers: WorkerPools) -> None:
+        self.config = config
+        self.workers = workers
+        self.pools: dict[str, UpstreamPool] = {}
+        workers.listeners.append(self._on_worker_change)
+
+    def of(self, worker: Worker) -> UpstreamPool:
+        pool = self.pools.get(worker.url)
+        if pool is None:
+            cfg = self.config
+            pool = self.pools[worker.url] = UpstreamPool(
+                worker.url, connect_timeout=cfg.connect_timeout,
+                read_timeout=cfg.request_timeout, max_idle=cfg.max_connections)
+        return pool
+
+    def _on_worker_change(self, event: str, worker: Worker) -> None:
+        # A departed worker's connections would otherwise linger until its sockets time out.
+        if event == "leave" and not any(w.url == worker.url for w in self.workers.all()):
+            pool = self.pools.pop(worker.url, None)
+            if pool is not None:
+                pool.close()
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
