@@ -230,7 +230,7 @@ async def _next_done(*futures: asyncio.Future[Any]) -> None:
     pending = [f for f in futures if not f.done()]
     if not pending:
         return
-    waiter = asyncio.get_running_loop().create_future()
+    waiter = futures[0].get_loop().create_future()
 
     def wake(_: asyncio.Future[Any]) -> None:
         if not waiter.done():

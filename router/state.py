@@ -73,7 +73,7 @@ class RouterState:
             return {}
         if mirror.model is not None:
             return mirror.lookup(hashes)
-        name = model or self.config.model
+        name = model or self.config.model or self._only_model(mirror)
         # Never create a table for a name taken from a request (memory would follow clients).
         table = mirror.tables.get(name) if name else None
         return table.lookup(hashes) if table is not None else {}
@@ -88,6 +88,16 @@ class RouterState:
             table = mirror.tables.get(mirror.model)
             return table.version if table is not None else 0
         return tuple((name, t.version) for name, t in mirror.tables.items())
+
+    def _only_model(self, mirror: BlockMirror) -> str | None:
+        """The model a request naming none means: the one the pools serve, or else the one
+        the index holds, when there is exactly one (SGLang clients rarely send a model)."""
+        served = self.pools.models()
+        if len(served) == 1:
+            return next(iter(served))
+        if not served and len(mirror.tables) == 1:
+            return next(iter(mirror.tables))
+        return None
 
     def index_detail(self) -> dict[str, Any]:
         if self.config.etcd is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from etcd_instances import wait_for
 from index.etcd_index import EtcdBlockIndex
 from index.hashing import block_hashes
@@ -13,9 +15,12 @@ from router.tokenize import encode_text
 SYSTEM = "You are kvatlas, a careful assistant. Answer briefly and cite sources. " * 4
 
 
+@pytest.mark.parametrize("router_model", ["tiny", None], ids=["--model", "no-model"])
 async def test_routes_to_longest_prefix_holder(start_router: Any, etcd: Any, layout: Any,
                                                etcd_settings: Any, key_prefix: str,
-                                               stubs: Any, register: Any) -> None:
+                                               stubs: Any, register: Any,
+                                               router_model: str | None) -> None:
+    # Without --model, a request naming no model means the one model the pools serve.
     prefills, (d,) = await stubs("prefill", 3), await stubs("decode")
     instances = [await register(f"p{i}", {"role": "prefill", "url": s.url, "model": "tiny"})
                  for i, s in enumerate(prefills)]
@@ -24,13 +29,14 @@ async def test_routes_to_longest_prefix_holder(start_router: Any, etcd: Any, lay
     await index.start()
     try:
         await check_routing(start_router, etcd_settings, key_prefix, index, prefills, d,
-                            instances)
+                            instances, router_model)
     finally:
         await index.close()
 
 
 async def check_routing(start_router: Any, etcd_settings: Any, key_prefix: str,
-                        index: EtcdBlockIndex, prefills: Any, d: Any, instances: Any) -> None:
+                        index: EtcdBlockIndex, prefills: Any, d: Any, instances: Any,
+                        router_model: str | None = "tiny") -> None:
     prompt = SYSTEM + "What is etcd?"
     hashes = block_hashes(encode_text(prompt), 16)
     await index.add("p2", None, hashes[:12])
@@ -38,7 +44,7 @@ async def check_routing(start_router: Any, etcd_settings: Any, key_prefix: str,
     await index.settle()
 
     client = await start_router(RouterConfig(
-        etcd=etcd_settings, etcd_prefix=key_prefix, model="tiny", health_interval=60))
+        etcd=etcd_settings, etcd_prefix=key_prefix, model=router_model, health_interval=60))
 
     async def decided() -> Any:
         resp = await client.post("/debug/route", json={"text": prompt})
