@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hmac
+import itertools
 import logging
 import random
 import time
@@ -27,12 +28,16 @@ class Services:
     dispatcher: Dispatcher
 
 
+_RID_PREFIX = f"{random.getrandbits(64):016x}"
+_rid_counter = itertools.count(1)
+
+
 def request_id_of(request: Request) -> str:
     rid = request.headers.get("x-request-id", "")
     if 0 < len(rid) <= 256 and rid.isprintable():
         return rid
-    # Not a secret, only unique: a PRNG draw avoids a syscall per request.
-    return f"{random.getrandbits(128):032x}"
+    # Not a secret, only unique: a random per-process prefix and a counter.
+    return f"{_RID_PREFIX}{next(_rid_counter):016x}"
 
 
 def forward_headers(request: Request, request_id: str) -> dict[str, str]:

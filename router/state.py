@@ -7,8 +7,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from index.mirror import BlockMirror
 from router.config import RouterConfig
 from router.discovery import InstanceDiscovery
@@ -44,7 +42,6 @@ class RouterState:
         self.rng = random.Random()
         self.mirror: BlockMirror | None = None
         self.discovery: InstanceDiscovery | None = None
-        self.session: aiohttp.ClientSession | None = None
         self.started_at = time.time()
         self.prefill_policy: Policy = make_policy(config.effective_prefill_policy,
                                                   config=config, lookup=self.index_lookup,

@@ -18,13 +18,12 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from router.http.headers import encode_headers, header_name
+
+__all__ = ["UpstreamPool", "UpstreamResponse", "UpstreamError", "UpstreamConnectError",
+           "UpstreamTimeout", "UpstreamClosed", "encode_headers"]
+
 STREAM_HIGH_WATER = 1 << 20
-
-
-def encode_headers(headers: Mapping[str, str]) -> bytes:
-    """Request header lines (latin-1, CRLF-terminated)."""
-    return b"".join(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1"))
-                    for name, value in headers.items())
 
 
 class UpstreamError(Exception):
@@ -157,7 +156,7 @@ class _Connection(asyncio.Protocol):
     # --- parser callbacks -------------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        self.headers[header_name(name)] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         if 100 <= self.parser.get_status_code() < 200:

@@ -25,6 +25,8 @@ from urllib.parse import parse_qsl
 
 import httptools
 
+from router.http.headers import header_name
+
 logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 << 10
@@ -228,7 +230,7 @@ class HttpProtocol(asyncio.Protocol):
         if self._header_bytes > MAX_HEADER_BYTES:
             self._fail(431, f"request headers over {MAX_HEADER_BYTES} bytes")
             raise ValueError("headers too large")
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        self._headers[header_name(name)] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         self.in_head = False
