@@ -11,7 +11,7 @@ requests/s, p50/p99 latency, and the latency each router adds over the direct pa
 Part 2: the routing decision (tokenize + hash + index lookup + cost over 64 prefill instances +
 power-of-two decode) timed in-process against a mirror holding 1M blocks. Goal: p99 < 1 ms.
 
-    .venv/bin/python bench/router.py [--duration 5] [--concurrency 1 16 64]
+    .venv/bin/python bench/router.py [--duration 4] [--rounds 3] [--concurrency 1 16 64]
 
 Writes bench/results/router.json.
 """
@@ -145,6 +145,17 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+async def measure(name: str, url: str, proc: subprocess.Popen[bytes] | None, conc: int,
+                  duration: float) -> dict[str, Any]:
+    cpu0 = proc_cpu(proc.pid) if proc else None
+    r = await closed_loop(f"{url}/generate", conc, duration)
+    if proc is not None and cpu0 is not None:
+        # CPU the router itself spent per request: independent of how busy the shared
+        # machine is, unlike req/s.
+        r["router_cpu_us_per_req"] = 1e6 * (proc_cpu(proc.pid) - cpu0) / max(1, r["requests"])
+    return r
+
+
 def proc_cpu(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -196,20 +207,23 @@ async def part1(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
                 results["runs"][name] = {"error": f"not ready; see {logdir}/{name}*.log"}
                 del targets[name]
         for conc in args.concurrency:
-            for name, url in targets.items():
-                proc = procs.get(name)
-                cpu0 = proc_cpu(proc.pid) if proc else None
-                r = await closed_loop(f"{url}/generate", conc, args.duration)
-                if proc is not None and cpu0 is not None:
-                    # CPU the router itself spent per request: independent of how busy the
-                    # shared machine is, unlike req/s.
-                    r["router_cpu_us_per_req"] = 1e6 * (proc_cpu(proc.pid) - cpu0) / max(
-                        1, r["requests"])
+            # Rounds interleave the targets so that a slow spell of this shared machine hits
+            # all of them; each target reports its median round.
+            rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
+            for _ in range(args.rounds):
+                for name, url in targets.items():
+                    rounds[name].append(await measure(name, url, procs.get(name), conc,
+                                                      args.duration))
+            for name, per in rounds.items():
+                per.sort(key=lambda r: r["rps"])
+                r = dict(per[len(per) // 2])
+                r["rounds_rps"] = [round(x["rps"]) for x in per]
                 results["runs"].setdefault(name, {})[str(conc)] = r
                 cpu = r.get("router_cpu_us_per_req")
-                print(f"  {name:15s} c={conc:3d}: {r['rps']:8.0f} req/s  p50 "
-                      f"{r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  errors {r['errors']}"
-                      + (f"  router CPU {cpu:.0f} us/req" if cpu else ""), flush=True)
+                print(f"  {name:15s} c={conc:3d}: {r['rps']:8.0f} req/s (rounds "
+                      f"{r['rounds_rps']})  p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  "
+                      f"errors {r['errors']}" + (f"  router CPU {cpu:.0f} us/req" if cpu else ""),
+                      flush=True)
     finally:
         for proc in procs.values():
             stop(proc)
@@ -273,7 +287,9 @@ def main() -> int:
         serve_stubs([int(p) for p in sys.argv[2:]])
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--duration", type=float, default=5.0, help="seconds per run")
+    ap.add_argument("--duration", type=float, default=4.0, help="seconds per run")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="runs per target and concurrency, interleaved; the median is reported")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--instances", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=1_000_000)

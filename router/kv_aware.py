@@ -119,9 +119,13 @@ class Prediction:
             queue = self._queues[instance] = deque()
         entry = tuple(hashes)
         if queue and queue[-1][2] == entry:
-            entry = queue[-1][2]  # the same prompt again: share one copy
+            # The same prompt again: the new entry refreshed every block of the last one, so
+            # that one could only ever be dropped without effect. Replace it: a hot prompt
+            # then holds one entry instead of one per request for the whole TTL.
+            queue.pop()
+        else:
+            self._held += len(entry)
         queue.append((now, self._seq, entry))
-        self._held += len(entry)
         while self._count > self.max_blocks or self._held > 2 * self.max_blocks:
             oldest = min(self._queues, key=lambda i: self._queues[i][0][1])
             self._pop(oldest)
