@@ -3,6 +3,8 @@
 Part 1: the same stub prefill/decode workers (one separate process) are put behind
   - nothing (the client posts straight to a decode stub: the floor),
   - kvatlas's router (``kvatlas router serve``, PD, kv_aware prefill + power_of_two decode),
+  - the same with a random prefill pick (``kvatlas-random``): the work sglang-router does in PD
+    mode, where its cache_aware policy falls back to random,
   - sglang-router (``python -m sglang_router.launch_router --pd-disaggregation``, PD, when
     installed: ``pip install sglang-router`` / the ``bench`` extra),
 and a closed-loop client at concurrency 1, 16 and 64 posts SGLang ``/generate`` bodies. Reported:
@@ -185,6 +187,13 @@ async def part1(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     procs["kvatlas"] = start([sys.executable, "-m", "kvatlas", "router", "serve", "--port",
                               str(ours_port), *pf_args, *dc_args], logdir / "kvatlas_router.log")
     targets["kvatlas"] = f"http://127.0.0.1:{ours_port}"
+    # The same work sglang-router does in PD mode, where its cache_aware prefill policy falls
+    # back to a random pick: separates the HTTP path from the cost of kv_aware's prefix work.
+    rnd_port = free_port()
+    procs["kvatlas-random"] = start(
+        [sys.executable, "-m", "kvatlas", "router", "serve", "--port", str(rnd_port),
+         "--prefill-policy", "random", *pf_args, *dc_args], logdir / "kvatlas_router_random.log")
+    targets["kvatlas-random"] = f"http://127.0.0.1:{rnd_port}"
     if args.asyncio_too:
         aio_port = free_port()
         procs["kvatlas-asyncio"] = start(
