@@ -34,13 +34,16 @@ _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) f
 
 
 def _head(status: int, content_type: str | None, length: int | None,
-          headers: dict[str, str] | None, close: bool) -> bytes:
+          headers: dict[str, str] | None, close: bool, chunked: bool = True) -> bytes:
+    """A response head; ``length`` None means a streamed body: chunked, or (HTTP/1.0 client)
+    delimited by closing the connection."""
     line = _STATUS_LINES.get(status)
     parts = [line if line is not None else b"HTTP/1.1 %d Unknown\r\n" % status]
     if content_type is not None:
         parts.append(b"content-type: %s\r\n" % content_type.encode("latin-1"))
     if length is None:
-        parts.append(b"transfer-encoding: chunked\r\n")
+        if chunked:
+            parts.append(b"transfer-encoding: chunked\r\n")
     else:
         parts.append(b"content-length: %d\r\n" % length)
     if headers:
@@ -59,11 +62,13 @@ class _StopParsing(Exception):
 class Request:
     """One parsed request; ``headers`` has lower-case names (the last of duplicates wins)."""
 
-    __slots__ = ("method", "path", "query_string", "headers", "body", "keep_alive", "_conn",
-                 "_query")
+    __slots__ = ("method", "path", "query_string", "headers", "body", "keep_alive", "http10",
+                 "_conn", "_query")
 
     def __init__(self, method: str, path: str, query_string: str, headers: dict[str, str],
-                 body: bytes, keep_alive: bool, conn: HttpProtocol) -> None:
+                 body: bytes, keep_alive: bool, conn: HttpProtocol,
+                 http10: bool = False) -> None:
+        self.http10 = http10
         self.method = method
         self.path = path
         self.query_string = query_string
@@ -86,10 +91,15 @@ class Request:
 
     async def stream(self, status: int, content_type: str,
                      headers: dict[str, str] | None = None) -> Stream:
-        """Send the head of a chunked answer now; the handler writes the body and returns it."""
-        stream = Stream(self._conn)
+        """Send the head of a streamed answer now; the handler writes the body and returns it.
+        Chunked for HTTP/1.1; an HTTP/1.0 client knows no chunks, so its body ends with the
+        connection."""
+        chunked = not self.http10
+        if not chunked:
+            self.keep_alive = False
+        stream = Stream(self._conn, chunked)
         self._conn.streaming = True
-        self._conn.write(_head(status, content_type, None, headers, False))
+        self._conn.write(_head(status, content_type, None, headers, not chunked, chunked))
         return stream
 
 
@@ -113,26 +123,28 @@ def json_response(data: Any, status: int = 200,
 
 
 class Stream:
-    """The body of a chunked answer. ``write`` waits while the client is not reading, and
+    """The body of a streamed answer. ``write`` waits while the client is not reading, and
     raises ``ConnectionResetError`` once the client has gone away."""
 
-    __slots__ = ("_conn", "ended")
+    __slots__ = ("_conn", "ended", "chunked")
 
-    def __init__(self, conn: HttpProtocol) -> None:
+    def __init__(self, conn: HttpProtocol, chunked: bool = True) -> None:
         self._conn = conn
         self.ended = False
+        self.chunked = chunked
 
     async def write(self, data: bytes) -> None:
         if not data:
             return
         conn = self._conn
-        conn.write(b"%x\r\n%s\r\n" % (len(data), data))
+        conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
         await conn.drain()
 
     async def end(self) -> None:
         if not self.ended:
             self.ended = True
-            self._conn.write(b"0\r\n\r\n")
+            if self.chunked:
+                self._conn.write(b"0\r\n\r\n")
             await self._conn.drain()
 
 
@@ -259,7 +271,7 @@ class HttpProtocol(asyncio.Protocol):
         parser = self.parser
         request = Request(parser.get_method().decode("latin-1"), url.path.decode("latin-1"),
                           url.query.decode("latin-1") if url.query else "", self._headers, body,
-                          parser.should_keep_alive(), self)
+                          parser.should_keep_alive(), self, parser.get_http_version() == "1.0")
         self.queue.append(request)
         if self.task is None:
             # The server's loop, not asyncio.get_running_loop(): on CPython 3.11 that costs a

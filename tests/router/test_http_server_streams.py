@@ -67,6 +67,28 @@ async def test_stream_delivers_each_chunk_as_written(serve: Started) -> None:
             assert await asyncio.wait_for(resp.read(), 2) == b"data: one\n\ndata: two\n\n"
 
 
+@pytest.mark.parametrize("keep_alive", [False, True])
+async def test_http10_client_gets_a_close_delimited_stream(serve: Started,
+                                                           keep_alive: bool) -> None:
+    # HTTP/1.0 has no chunked encoding: the body is raw and ends with the connection, even
+    # when the client asked to keep it alive.
+    async def handler(request: Request) -> Stream:
+        stream = await request.stream(200, "text/plain")
+        await stream.write(b"one ")
+        await stream.write(b"two")
+        return stream
+
+    _, port = await serve(handler)
+    reader, writer = await connect(port)
+    extra = b"connection: keep-alive\r\n" if keep_alive else b""
+    writer.write(b"GET / HTTP/1.0\r\nhost: x\r\n" + extra + b"\r\n")
+    data, closed = await read_all(reader, 2.0)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding" not in head.lower()
+    assert b"connection: close" in head.lower()
+    assert body == b"one two" and closed
+
+
 async def test_client_disconnect_cancels_handler(serve: Started) -> None:
     started = asyncio.Event()
     outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
