@@ -212,3 +212,14 @@ async def keep_alive(w: Worker, n: int, reader: Reader, writer: Writer) -> None:
     while await w.read_request(n, reader):
         writer.write(answer(w.requests[-1][1].encode()))
         await writer.drain()
+
+
+async def hang_or_ok(w: Worker, n: int, reader: Reader, writer: Writer) -> None:
+    """A worker script: ``GET /hang...`` is never answered (the worker waits for the client to
+    close), anything else gets ``ok``."""
+    while await w.read_request(n, reader):
+        if w.requests[-1][1].startswith("GET /hang"):
+            await w.wait_eof(reader, timeout=5)
+            return
+        writer.write(answer(b"ok"))
+        await writer.drain()

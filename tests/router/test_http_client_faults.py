@@ -12,7 +12,7 @@ import time
 import pytest
 
 import http_helpers
-from http_helpers import Reader, Worker, Writer, answer, keep_alive
+from http_helpers import Reader, Worker, Writer, answer, hang_or_ok, keep_alive
 from http_helpers import WorkerStarted as Started
 from kvatlas.etcd_proc import free_port
 from router.http.client import (UpstreamClosed, UpstreamConnectError, UpstreamError,
@@ -224,15 +224,7 @@ async def test_stream_timeout_mid_body(worker: Started, pools) -> None:
 
 
 async def test_cancelling_a_call_drops_its_connection(worker: Started, pools) -> None:
-    async def script(w: Worker, n: int, reader: Reader, writer: Writer) -> None:
-        while await w.read_request(n, reader):
-            if w.requests[-1][1].startswith("GET /hang"):
-                await w.wait_eof(reader, timeout=5)
-                return
-            writer.write(answer(b"ok"))
-            await writer.drain()
-
-    w = await worker(script)
+    w = await worker(hang_or_ok)
     pool = pools(w.url)
     # On a fresh connection.
     fut = pool.call("GET", "/hang1", {}, b"")
@@ -332,15 +324,7 @@ async def test_idle_connection_that_talks_is_dropped(worker: Started, pools) -> 
 
 
 async def test_pool_close_fails_in_flight_calls(worker: Started, pools) -> None:
-    async def script(w: Worker, n: int, reader: Reader, writer: Writer) -> None:
-        while await w.read_request(n, reader):
-            if w.requests[-1][1].startswith("GET /hang"):
-                await w.wait_eof(reader, timeout=5)
-                return
-            writer.write(answer(b"ok"))
-            await writer.drain()
-
-    w = await worker(script)
+    w = await worker(hang_or_ok)
     pool = pools(w.url)
     (await asyncio.wait_for(pool.call("GET", "/warm", {}, b""), 2)).release()
     reused = pool.call("GET", "/hang-reused", {}, b"")
