@@ -193,7 +193,8 @@ class HttpProtocol(asyncio.Protocol):
         if self.task is not None and not self.task.done():
             self.task.cancel()
         if self._paused is not None and not self._paused.done():
-            self._paused.set_exception(ConnectionResetError("client went away"))
+            # A result, not an exception: nobody may be waiting, and drain() checks closing.
+            self._paused.set_result(None)
 
     def pause_writing(self) -> None:
         if self._paused is None or self._paused.done():
@@ -345,6 +346,8 @@ class HttpProtocol(asyncio.Protocol):
         paused = self._paused
         if paused is not None and not paused.done():
             await paused
+            if self.closing:
+                raise ConnectionResetError("client went away")
 
     def close(self) -> None:
         if not self.closing and self.transport is not None:
