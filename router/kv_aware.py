@@ -99,11 +99,22 @@ class Prediction:
 
     def add(self, instance: str, hashes: Sequence[int]) -> int:
         """Record ``hashes`` as routed to ``instance``; returns the entry's sequence number."""
-        self._seq += 1
         if not hashes:
+            self._seq += 1
             return self._seq
         now = self._clock()
         self.expire(now)
+        queue = self._queues.get(instance)
+        if queue:
+            last = queue[-1]
+            if last[2][-1] == hashes[-1] and len(last[2]) == len(hashes):
+                # The same prompt again (a chain's last hash stands for the whole chain, as
+                # everywhere in the index): its newest entry already holds every block with
+                # the newest sequence number, so only its time moves. A hot prompt then
+                # costs neither a table write nor a queue entry per request.
+                queue[-1] = (now, last[1], last[2])
+                return last[1]
+        self._seq += 1
         added = self._added.get(instance)
         if added is None:
             added = self._added[instance] = {}
@@ -114,18 +125,11 @@ class Prediction:
             # again (the usual case) adds nothing to it.
             self.table.apply_add(instance, hashes)
             self._count += len(added) - before
-        queue = self._queues.get(instance)
         if queue is None:
             queue = self._queues[instance] = deque()
         entry = tuple(hashes)
-        if queue and queue[-1][2] == entry:
-            # The same prompt again: the new entry refreshed every block of the last one, so
-            # that one could only ever be dropped without effect. Replace it: a hot prompt
-            # then holds one entry instead of one per request for the whole TTL.
-            queue.pop()
-        else:
-            self._held += len(entry)
         queue.append((now, self._seq, entry))
+        self._held += len(entry)
         while self._count > self.max_blocks or self._held > 2 * self.max_blocks:
             oldest = min(self._queues, key=lambda i: self._queues[i][0][1])
             self._pop(oldest)
@@ -361,7 +365,8 @@ class KvAware(Policy):
             pending = self._pending.get(instance)
             if pending is None:
                 pending = self._pending[instance] = deque()
-            pending.append((seq, choice.model, choice.hashes[-1]))
+            if not pending or pending[-1][0] != seq:  # a repeat refreshes its entry
+                pending.append((seq, choice.model, choice.hashes[-1]))
 
     def forget(self, instance_id: str) -> None:
         self.prediction.forget(instance_id)
