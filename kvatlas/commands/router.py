@@ -12,7 +12,7 @@ from router.config import RouterConfig
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("router", help="the KV-aware prefill/decode router")
     sub = parser.add_subparsers(dest="router_command", metavar="ACTION", required=True)
-    serve = sub.add_parser("serve", help="serve the router (aiohttp)")
+    serve = sub.add_parser("serve", help="serve the router")
     RouterConfig.add_cli_args(serve)
     add_etcd_args(serve)
     serve.set_defaults(func=cmd_serve)
