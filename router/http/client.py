@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from router.http.headers import encode_headers, header_name
+from router.http.headers import decode_headers, encode_headers
 
 __all__ = ["UpstreamPool", "UpstreamResponse", "UpstreamError", "UpstreamConnectError",
            "UpstreamTimeout", "UpstreamClosed", "encode_headers"]
@@ -50,16 +50,29 @@ class UpstreamClosed(UpstreamError):
 class UpstreamResponse:
     """The answer's status and headers; the body is read with ``read`` or ``read_chunk``."""
 
-    __slots__ = ("status", "headers", "_conn")
+    __slots__ = ("status", "_raw", "_headers", "_conn")
 
-    def __init__(self, status: int, headers: dict[str, str], conn: _Connection) -> None:
+    def __init__(self, status: int, raw_headers: list[tuple[bytes, bytes]],
+                 conn: _Connection) -> None:
         self.status = status
-        self.headers = headers
+        self._raw = raw_headers
+        self._headers: dict[str, str] | None = None
         self._conn: _Connection | None = conn
 
     @property
+    def headers(self) -> dict[str, str]:
+        """Lower-case names; the last of duplicates wins. Built on first use: the router reads
+        no header of most answers (a prefill's), so it does not decode them."""
+        if self._headers is None:
+            self._headers = decode_headers(self._raw)
+        return self._headers
+
+    @property
     def content_type(self) -> str:
-        return self.headers.get("content-type", "application/json")
+        for name, value in self._raw:
+            if len(name) == 12 and name.lower() == b"content-type":
+                return value.decode("latin-1")
+        return "application/json"
 
     async def read(self) -> bytes:
         """The rest of the body."""
@@ -116,7 +129,7 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         self.paused = False
         self.waiter: asyncio.Future[None] | None = None
-        self.headers: dict[str, str] = {}
+        self.raw_headers: list[tuple[bytes, bytes]] = []
         self.error: UpstreamError | None = None
         self.sent: list[bytes] | None = None
         self.last_read = 0.0
@@ -130,9 +143,10 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.pool.forget(self)
+        headers = decode_headers(self.raw_headers) if self.head_parsed else {}
         if (self.busy and not self.complete and self.head_parsed and exc is None
-                and "content-length" not in self.headers
-                and "chunked" not in self.headers.get("transfer-encoding", "")):
+                and "content-length" not in headers
+                and "chunked" not in headers.get("transfer-encoding", "")):
             # A body without a length ends with the connection (RFC 9112 6.3).
             self.on_message_complete()
             return
@@ -156,7 +170,7 @@ class _Connection(asyncio.Protocol):
     # --- parser callbacks -------------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[header_name(name)] = value.decode("latin-1")
+        self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         if 100 <= self.parser.get_status_code() < 200:
@@ -176,7 +190,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         if not self.head_parsed:
-            self.headers = {}  # the end of an interim answer
+            self.raw_headers = []  # the end of an interim answer
             return
         self.complete = True
         if not self.parser.should_keep_alive():
@@ -198,7 +212,7 @@ class _Connection(asyncio.Protocol):
         self.received = self.complete = self.head_parsed = False
         self.reusable = True
         self.stream = stream
-        self.headers = {}
+        self.raw_headers = []
         self.chunks.clear()
         self.buffered = 0
         self.error = None
@@ -230,8 +244,8 @@ class _Connection(asyncio.Protocol):
 
     def _resolve_head(self) -> None:
         if self.head is not None and not self.head.done():
-            self.head.set_result(UpstreamResponse(self.parser.get_status_code(), self.headers,
-                                                  self))
+            self.head.set_result(UpstreamResponse(self.parser.get_status_code(),
+                                                  self.raw_headers, self))
 
     async def read_chunk(self) -> bytes:
         while not self.chunks:

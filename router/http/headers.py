@@ -18,6 +18,11 @@ def header_name(raw: bytes) -> str:
     return name
 
 
+def decode_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """Raw header pairs as a dict with lower-case names (the last of duplicates wins)."""
+    return {header_name(name): value.decode("latin-1") for name, value in raw}
+
+
 def encode_headers(headers: Mapping[str, str]) -> bytes:
     """Request header lines (latin-1, CRLF-terminated)."""
     return b"".join(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1"))
