@@ -40,7 +40,7 @@ class RouterApp:
         self.dispatcher = Dispatcher(self.state, self.upstreams)
         self.health = HealthChecker(config, self.state.pools, self.upstreams)
         self.server = HttpServer(self.handle, max_body=config.max_body,
-                                 limit_hint=" (router --max-body)")
+                                 limit_hint=" (router --max-body)", on_reject=self._rejected)
         self.port: int | None = None
         self._stack = contextlib.AsyncExitStack()
         svc = Services(self.state, self.dispatcher)
@@ -82,6 +82,10 @@ class RouterApp:
         status = answer.status if isinstance(answer, Response) else 200
         m.child(m.requests, route, str(status)).inc()
         return answer
+
+    def _rejected(self, status: int) -> None:
+        m = self.state.metrics
+        m.child(m.requests, "rejected", str(status)).inc()
 
     async def start(self, host: str | None = None, port: int | None = None) -> int:
         """Start the background work and listen; returns the bound port."""

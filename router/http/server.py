@@ -365,6 +365,8 @@ class HttpProtocol(asyncio.Protocol):
         body = json.dumps({"error": message}).encode()
         self.write(_head(status, "application/json", len(body), None, True) + body)
         self.close()
+        if self.server.on_reject is not None:
+            self.server.on_reject(status)
 
 
 class HttpServer:
@@ -372,11 +374,15 @@ class HttpServer:
     after ``keepalive_timeout`` seconds."""
 
     def __init__(self, handler: Handler, *, max_body: int, keepalive_timeout: float = 75.0,
-                 limit_hint: str = "") -> None:
+                 limit_hint: str = "",
+                 on_reject: Callable[[int], None] | None = None) -> None:
         self.handler = handler
         self.max_body = max_body
         self.keepalive_timeout = keepalive_timeout
         self.limit_hint = limit_hint
+        self.on_reject = on_reject
+        """Told the status of every request refused before reaching the handler (413, 431,
+        400 ...), so that they can be counted too."""
         self.connections: set[HttpProtocol] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None

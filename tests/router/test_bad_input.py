@@ -77,6 +77,9 @@ async def test_body_over_limit_is_413(setup: Any) -> None:
     assert resp.status == 413 and "limit" in (await resp.json())["error"]
     assert not p.bodies and not d.bodies
     assert (await client.post("/generate", json={"text": "ok"})).status == 200
+    # Refused before any handler ran, and still counted.
+    metrics = await (await client.get("/metrics")).text()
+    assert 'kvatlas_router_requests_total{route="rejected",status="413"} 2.0' in metrics
 
 
 async def test_unknown_model_is_404(setup: Any) -> None:
