@@ -9,6 +9,7 @@ byte of a stream went to the client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -109,24 +110,23 @@ class Dispatcher:
         decode.load += 1
         t0 = time.perf_counter()
         prefill_call = self.upstreams.of(prefill).call("POST", path, headers, body)
-        prefill_call.add_done_callback(functools.partial(self._prefill_done, prefill, t0))
         decode_call = self.upstreams.of(decode).call("POST", path, headers, body, stream=stream)
+        prefill_call.add_done_callback(
+            functools.partial(self._prefill_done, prefill, t0, decode_call))
         try:
-            while not decode_call.done():
-                await _next_done(prefill_call, decode_call)
-                err = _prefill_error(prefill_call)
-                if err is not None:
-                    # No KV will come: stop the decode rather than let it wait for a timeout.
-                    _drop(decode_call)
-                    decode.load -= 1
-                    return self._prefill_failure(prefill, err)
-            resp = decode_call.result()
+            resp = await decode_call
             first = await resp.read_chunk() if stream and resp.status == 200 else resp.take()
         except asyncio.CancelledError:
-            _drop(decode_call)
-            _drop(prefill_call)
+            err = _prefill_error(prefill_call)
+            task = asyncio.current_task()
+            if err is None or (task is not None and task.cancelling()):
+                _drop(decode_call)
+                _drop(prefill_call)
+                decode.load -= 1
+                raise
+            # The prefill failed first and its callback stopped the decode: no KV would come.
             decode.load -= 1
-            raise
+            return self._prefill_failure(prefill, err)
         except UpstreamError as exc:
             decode.load -= 1
             _record(self.state, decode, None, "transport")
@@ -148,7 +148,9 @@ class Dispatcher:
             resp.release()
             if not stream:
                 # Non-streamed: the prefill's outcome decides too (SGLang waits for both).
-                await _next_done(prefill_call)
+                if not prefill_call.done():
+                    with contextlib.suppress(UpstreamError):
+                        await prefill_call
                 err = _prefill_error(prefill_call)
                 if err is not None:
                     return self._prefill_failure(prefill, err)
@@ -166,8 +168,10 @@ class Dispatcher:
                        "application/json", prefill.instance_id)
 
     def _prefill_done(self, worker: Worker, t0: float,
+                      decode_call: asyncio.Future[UpstreamResponse],
                       call: asyncio.Future[UpstreamResponse]) -> None:
-        """Bookkeeping of a finished prefill call (the decode side never waits for this)."""
+        """Bookkeeping of a finished prefill call; a failed one also stops a decode still
+        waiting for its answer's head (it would only wait for KV that never comes)."""
         worker.load -= 1
         self.state.metrics.latency["prefill"].observe(time.perf_counter() - t0)
         if call.cancelled():
@@ -175,11 +179,14 @@ class Dispatcher:
         exc = call.exception()
         if exc is not None:
             _record(self.state, worker, None, "transport")
+            decode_call.cancel()
             return
         resp = call.result()
         # The answer is read whole so the connection can be reused; SGLang ignores it.
         resp.release()
         _record(self.state, worker, resp.status)
+        if resp.status >= 500:
+            decode_call.cancel()
 
     async def _stream(self, request: Request, decode: Worker, upstream: UpstreamResponse,
                       first: bytes, request_id: str, t0: float) -> Stream:
@@ -223,26 +230,6 @@ def _prefill_error(call: asyncio.Future[UpstreamResponse]) -> str | None:
         return f"transport error ({exc})"
     status = call.result().status
     return f"status {status}" if status >= 500 else None
-
-
-async def _next_done(*futures: asyncio.Future[Any]) -> None:
-    """Wait until one more of ``futures`` is done (``asyncio.wait`` costs more per request)."""
-    pending = [f for f in futures if not f.done()]
-    if not pending:
-        return
-    waiter = futures[0].get_loop().create_future()
-
-    def wake(_: asyncio.Future[Any]) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    for f in pending:
-        f.add_done_callback(wake)
-    try:
-        await waiter
-    finally:
-        for f in pending:
-            f.remove_done_callback(wake)
 
 
 def _drop(call: asyncio.Future[UpstreamResponse]) -> None:

@@ -193,6 +193,8 @@ class WorkLoad:
         self.half_life = half_life
         self._clock = clock
         self._running: dict[str, deque[int]] = {}
+        self._sums: dict[str, int] = {}
+        """Sum of each ``_running`` queue, kept as it changes (it is read on every decision)."""
         self._recent: dict[str, tuple[float, float]] = {}
 
     def add(self, instance: str, blocks: int) -> None:
@@ -200,6 +202,7 @@ class WorkLoad:
         if running is None:
             running = self._running[instance] = deque()
         running.append(blocks)
+        self._sums[instance] = self._sums.get(instance, 0) + blocks
 
     def blocks(self, worker: Worker, now: float) -> float:
         """``worker``'s load in blocks; first retires the requests it no longer runs."""
@@ -213,9 +216,10 @@ class WorkLoad:
             while len(running) > keep:
                 done += running.popleft()
             if done:
+                self._sums[iid] -= done
                 self._recent[iid] = (self._recent_at(iid, now) + done, now)
             if running:
-                in_flight = sum(running)
+                in_flight = self._sums[iid]
                 load -= len(running)
         # Requests the policy did not route (another router path, a retry's stale count).
         if load > 0:
@@ -230,6 +234,7 @@ class WorkLoad:
 
     def forget(self, instance: str) -> None:
         self._running.pop(instance, None)
+        self._sums.pop(instance, None)
         self._recent.pop(instance, None)
 
 
