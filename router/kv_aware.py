@@ -88,6 +88,9 @@ class Prediction:
         self._added: dict[str, dict[int, int]] = {}
         self._queues: dict[str, deque[tuple[float, int, tuple[int, ...]]]] = {}
         self._count = 0
+        self._oldest = math.inf
+        """At most the time of the oldest entry of any queue (entries leave only from the
+        front and new queues lower it), so that expire() can tell it has nothing to do."""
         self._held = 0
         """Hashes held by queue entries, all entries together: a same-prefix stream of
         requests adds entries without adding blocks, so ``max_blocks`` alone would not bound
@@ -125,8 +128,10 @@ class Prediction:
             # again (the usual case) adds nothing to it.
             self.table.apply_add(instance, hashes)
             self._count += len(added) - before
-        if queue is None:
-            queue = self._queues[instance] = deque()
+        if not queue:
+            if queue is None:
+                queue = self._queues[instance] = deque()
+            self._oldest = min(self._oldest, now)
         entry = tuple(hashes)
         queue.append((now, self._seq, entry))
         self._held += len(entry)
@@ -138,9 +143,12 @@ class Prediction:
     def expire(self, now: float | None = None) -> None:
         """Drop every entry older than ``ttl``."""
         cutoff = (self._clock() if now is None else now) - self.ttl
+        if cutoff < self._oldest:
+            return  # nothing is that old: the usual case, twice per routed request
         queues = self._queues
         for instance in [i for i, q in queues.items() if q[0][0] <= cutoff]:
             self.settle(instance, before=cutoff)
+        self._oldest = min((q[0][0] for q in queues.values()), default=math.inf)
 
     def settle(self, instance: str, before: float | None = None,
                upto_seq: int | None = None) -> None:
