@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from router.http.client import UpstreamError, UpstreamResponse, encode_headers
+from router.http.client import UpstreamError, UpstreamResponse
+from router.http.headers import encode_headers
 from router.http.server import Request, Response, Stream
 from router.policy import RouteContext
 from router.requests import Parsed, inject

@@ -116,6 +116,8 @@ class WorkerPools:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.workers: dict[str, dict[str, Worker]] = {PREFILL: {}, DECODE: {}}
+        self._models: frozenset[str] | None = None
+        """models() as of the last change to the pools (it is asked on every request)."""
         self.listeners: list[Any] = []
         """Callables ``(event, worker)`` told of "join" and "leave"."""
 
@@ -141,6 +143,7 @@ class WorkerPools:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         url = check_url(url)
+        self._models = None
         iid = instance_id or static_id(url)
         worker = self.workers[role].get(iid)
         if worker is None:
@@ -164,6 +167,7 @@ class WorkerPools:
     def remove(self, role: str, instance_id: str) -> Worker | None:
         worker = self.workers[role].pop(instance_id, None)
         if worker is not None:
+            self._models = None
             for other in self.workers[role].values():
                 if other.shadowed_by == instance_id:
                     other.shadowed_by = None
@@ -183,11 +187,14 @@ class WorkerPools:
     def all(self) -> list[Worker]:
         return self.pool(PREFILL) + self.pool(DECODE)
 
-    def models(self) -> set[str]:
-        found = {w.model for w in self.all() if w.model}
-        if self.config.model:
-            found.add(self.config.model)
-        return found
+    def models(self) -> frozenset[str]:
+        """The models served: the workers' and ``--model``."""
+        if self._models is None:
+            found = {w.model for w in self.all() if w.model}
+            if self.config.model:
+                found.add(self.config.model)
+            self._models = frozenset(found)
+        return self._models
 
     def unavailable_reason(self, role: str) -> str:
         """Why no ``role`` worker can be selected (assumes none can)."""

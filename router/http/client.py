@@ -20,9 +20,6 @@ import httptools
 
 from router.http.headers import decode_headers, encode_headers
 
-__all__ = ["UpstreamPool", "UpstreamResponse", "UpstreamError", "UpstreamConnectError",
-           "UpstreamTimeout", "UpstreamClosed", "encode_headers"]
-
 STREAM_HIGH_WATER = 1 << 20
 
 
