@@ -236,20 +236,18 @@ class Doctor:
 
 
 async def _get(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
-    try:
-        async with http.get(url) as resp:
-            text = await resp.text()
-            try:
-                return resp.status, await resp.json(content_type=None)
-            except ValueError:
-                return resp.status, text
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        return 0, repr(exc)
+    return await _request(http, "GET", url)
 
 
 async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    return await _request(http, "POST", url, json=body)
+
+
+async def _request(http: aiohttp.ClientSession, method: str, url: str,
+                   **kw: Any) -> tuple[int, Any]:
+    """(status, JSON body or text); status 0 and the error when nothing answered."""
     try:
-        async with http.post(url, json=body) as resp:
+        async with http.request(method, url, **kw) as resp:
             text = await resp.text()
             try:
                 return resp.status, await resp.json(content_type=None)

@@ -83,22 +83,32 @@ async def test_foreign_keys_are_counted_and_skipped(etcd: EtcdClient, layout: Ke
         await every.close()
 
 
-class GarbageOnceClient(EtcdClient):
-    """A real client whose first watch batch with events also carries one impossible event."""
+class OnceWatchClient(EtcdClient):
+    """A real client that alters the first watch batch carrying events, once (``hit``)."""
 
     def __init__(self, settings: EtcdSettings) -> None:
         super().__init__(settings)
-        self.injected = False
+        self.hit = False
+
+    def alter(self, batch: WatchBatch) -> WatchBatch:
+        raise NotImplementedError
 
     async def watch_prefix(self, prefix: bytes, start_revision: int,  # type: ignore[override]
                            progress_every: float | None = None,
                            fragment: bool = False) -> AsyncIterator[WatchBatch]:
         async for batch in super().watch_prefix(prefix, start_revision, progress_every, fragment):
-            if batch.events and not self.injected:
-                self.injected = True
-                bad = WatchEvent(True, batch.events[0].key, None, batch.revision)  # type: ignore[arg-type]
-                batch = WatchBatch(batch.revision, [*batch.events, bad])
+            if batch.events and not self.hit:
+                self.hit = True
+                batch = self.alter(batch)
             yield batch
+
+
+class GarbageOnceClient(OnceWatchClient):
+    """The batch also carries one impossible event."""
+
+    def alter(self, batch: WatchBatch) -> WatchBatch:
+        bad = WatchEvent(True, batch.events[0].key, None, batch.revision)  # type: ignore[arg-type]
+        return WatchBatch(batch.revision, [*batch.events, bad])
 
 
 async def test_a_batch_that_fails_to_apply_reloads(etcd_settings: EtcdSettings, etcd: EtcdClient,
@@ -122,22 +132,12 @@ async def test_a_batch_that_fails_to_apply_reloads(etcd_settings: EtcdSettings, 
         await client.close()
 
 
-class ExhaustedOnceClient(EtcdClient):
-    """A real client whose watch breaks once the way an oversized response does."""
+class ExhaustedOnceClient(OnceWatchClient):
+    """The watch breaks there, the way an oversized response does."""
 
-    def __init__(self, settings: EtcdSettings) -> None:
-        super().__init__(settings)
-        self.broken = False
-
-    async def watch_prefix(self, prefix: bytes, start_revision: int,  # type: ignore[override]
-                           progress_every: float | None = None,
-                           fragment: bool = False) -> AsyncIterator[WatchBatch]:
-        async for batch in super().watch_prefix(prefix, start_revision, progress_every, fragment):
-            if batch.events and not self.broken:
-                self.broken = True
-                raise EtcdRequestError("etcd refused the request (RESOURCE_EXHAUSTED): "
-                                       "Received message larger than max", op="watch")
-            yield batch
+    def alter(self, batch: WatchBatch) -> WatchBatch:
+        raise EtcdRequestError("etcd refused the request (RESOURCE_EXHAUSTED): "
+                               "Received message larger than max", op="watch")
 
 
 async def test_resource_exhausted_watch_reloads(etcd_settings: EtcdSettings, etcd: EtcdClient,
@@ -152,7 +152,7 @@ async def test_resource_exhausted_watch_reloads(etcd_settings: EtcdSettings, etc
         rev = await etcd.txn([Put(key(layout, "m", "a", 1), value)])
         assert await mirror.wait_revision(rev, 10)
         assert mirror.blocks("a") == {1}
-        assert client.broken and mirror.reloads == 2 and mirror.resumes == 0
+        assert client.hit and mirror.reloads == 2 and mirror.resumes == 0
     finally:
         await mirror.close()
         await client.close()
