@@ -14,6 +14,7 @@ import json
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -115,46 +116,65 @@ def cmd_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(topology, run_dir, ports=ports)
     console = Console(stderr=True)
     started = time.monotonic()
+    stop_requested = threading.Event()
+
+    def request_stop(signum: int, frame: object) -> None:
+        stop_requested.set()
+
     signal.signal(signal.SIGTERM, _interrupt)
+    detached = False
     try:
-        with console.status("starting the cluster ...") as status:
-            def progress(name: str, event: str) -> None:
-                if event == "ready":
-                    console.print(f"  [green]✓[/] {name} ready "
-                                  f"({time.monotonic() - started:.1f}s)", highlight=False)
-                else:
-                    status.update(f"starting {name} ...")
-            cluster.start(timeout=args.timeout, progress=progress)
-    except StartError as exc:
-        raise CLIError(f"cluster did not start: {exc}") from None
+        try:
+            with console.status("starting the cluster ...") as status:
+                def progress(name: str, event: str) -> None:
+                    if event == "ready":
+                        console.print(f"  [green]✓[/] {name} ready "
+                                      f"({time.monotonic() - started:.1f}s)", highlight=False)
+                    else:
+                        status.update(f"starting {name} ...")
+                cluster.start(timeout=args.timeout, progress=progress)
+        except StartError as exc:
+            raise CLIError(f"cluster did not start: {exc}") from None
+        if args.detach:
+            print_endpoints(cluster.state, time.monotonic() - started)
+            cluster.state.supervisor_pid = None
+            cluster.state.save()
+            detached = True
+            print(f"detached; stop with: kvatlas cluster down --run-dir {args.run_dir}")
+            return 0
+        # From here a signal only asks for the stop, which then runs on the normal path: an
+        # exception raised between two statements could otherwise skip it.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, request_stop)
+        print_endpoints(cluster.state, time.monotonic() - started)
+        print("running in the foreground; Ctrl-C stops everything", flush=True)
+        _watch(cluster.state, stop_requested)
+        print("\nstopping the cluster ...", flush=True)
     except KeyboardInterrupt:
         console.print("interrupted: stopping what started")
-        cluster.stop()
         return 130
-    print_endpoints(cluster.state, time.monotonic() - started)
-    if args.detach:
-        cluster.state.supervisor_pid = None
-        cluster.state.save()
-        print(f"detached; stop with: kvatlas cluster down --run-dir {args.run_dir}")
-        return 0
-    print("running in the foreground; Ctrl-C stops everything", flush=True)
-    reported: set[tuple[str, int]] = set()
-    try:
-        while True:
-            time.sleep(1.0)
-            for p in cluster.state.processes:
-                if (p.name, p.pid) not in reported and not p.alive():
-                    reported.add((p.name, p.pid))
-                    print(f"warning: {p.name} exited; see {p.log}", file=sys.stderr, flush=True)
-            if len(reported) >= len(cluster.state.processes):
-                print("every process has exited (`kvatlas cluster down`?)", flush=True)
-                break
-    except KeyboardInterrupt:
-        print("\nstopping the cluster ...", flush=True)
     finally:
-        cluster.stop()
+        if not detached:
+            # A second Ctrl-C must not cut the stop short: the processes run in their own
+            # sessions and would be left behind.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, request_stop)
+            cluster.stop()
     print("stopped; nothing left running")
     return 0
+
+
+def _watch(state: ClusterState, stop_requested: threading.Event) -> None:
+    """Report each process that exits, until a stop is asked for or every process is gone."""
+    reported: set[tuple[str, int]] = set()
+    while not stop_requested.wait(1.0):
+        for p in state.processes:
+            if (p.name, p.pid) not in reported and not p.alive():
+                reported.add((p.name, p.pid))
+                print(f"warning: {p.name} exited; see {p.log}", file=sys.stderr, flush=True)
+        if len(reported) >= len(state.processes):
+            print("every process has exited (`kvatlas cluster down`?)", flush=True)
+            return
 
 
 def print_endpoints(state: ClusterState, elapsed: float) -> None:

@@ -108,6 +108,53 @@ def test_ctrl_c_on_a_foreground_up_stops_everything(tmp_path: Path) -> None:
         kvatlas("cluster", "down", "--run-dir", str(run_dir))
 
 
+def test_signals_at_once_and_twice_still_stop_everything(tmp_path: Path) -> None:
+    """SIGTERM the moment the cluster says it runs, and again during the stop: the stop is
+    neither skipped nor cut short, so nothing is left in the processes' own sessions."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "kvatlas", "cluster", "up", *FAST,
+                             "--router-port", str(free_port()), "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            if b"Ctrl-C stops everything" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert b"stopping the cluster" in proc.stdout.readline() + proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and b"nothing left running" in out
+        state = ClusterState.load(run_dir)
+        assert len(state.processes) == 4 and _all_gone(state) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kvatlas("cluster", "down", "--run-dir", str(run_dir))
+
+
+def test_ctrl_c_while_starting_stops_what_started(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "kvatlas", "cluster", "up", *FAST,
+                             "--router-port", str(free_port()), "--run-dir", str(run_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    try:
+        for line in proc.stderr:
+            if b"ready" in line:  # etcd is up; the instances are still starting
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert b"stopping what started" in err
+        state = ClusterState.load(run_dir)
+        assert state.processes and _all_gone(state) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kvatlas("cluster", "down", "--run-dir", str(run_dir))
+
+
 def test_a_failed_start_names_the_process_and_leaves_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     with socket.socket() as busy:
