@@ -33,7 +33,8 @@ def namespace_seed(lora_name: str | None = None, cache_salt: str | None = None) 
 _U32 = np.dtype("<u4")
 
 
-def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """The hashed form of ``tokens``: little-endian uint32s; ValueError on ids out of range."""
     if isinstance(tokens, np.ndarray) and tokens.dtype == _U32 and tokens.ndim == 1:
         # The router's own encoding: every value is in range by construction, skip the scans.
         return tokens.tobytes()
@@ -60,7 +61,12 @@ def block_hashes(tokens: Sequence[int] | np.ndarray, block_size: int = DEFAULT_B
     """
     if block_size < 1:
         raise ValueError(f"block size must be >= 1, got {block_size}")
-    data = _token_bytes(tokens)
+    return hash_token_bytes(token_bytes(tokens), block_size, seed, parent)
+
+
+def hash_token_bytes(data: bytes, block_size: int, seed: int = BASE_SEED,
+                     parent: int | None = None) -> list[int]:
+    """``block_hashes`` of tokens already in their hashed form (see ``token_bytes``)."""
     step = 4 * block_size
     full = len(data) - len(data) % step
     if not full:

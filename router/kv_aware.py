@@ -59,6 +59,7 @@ from index.hashing import namespace_seed
 from index.table import BlockTable
 from router.config import RouterConfig
 from router.policy import Choice, Policy, RouteContext
+from router.prompt_hashes import PromptHasher
 from router.workers import Worker
 
 Lookup = Callable[[Sequence[int], "str | None"], dict[str, int]]
@@ -262,6 +263,7 @@ class KvAware(Policy):
         # Per instance: (index version, newest pending seq found unconfirmed at that version).
         self._unconfirmed: dict[str, tuple[Hashable, int]] = {}
         self.seed = namespace_seed()
+        self.hasher = PromptHasher(config.block_size)
         self._clock = clock
         self.prediction = Prediction(config.prediction_ttl, config.prediction_max_blocks, clock)
         self.work = WorkLoad(config.work_half_life, clock)
@@ -273,7 +275,7 @@ class KvAware(Policy):
     def select(self, workers: list[Worker], ctx: RouteContext) -> Choice:
         cfg = self.config
         now = self._clock()
-        hashes = ctx.hashes(cfg.block_size, self.seed)
+        hashes = ctx.hashes(self.hasher, self.seed)
         n = len(hashes)
         lookup = self.lookup
         indexed = lookup(hashes, ctx.model) if (lookup and n) else {}

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from index.hashing import block_hashes
+from router.prompt_hashes import PromptHasher
 from router.workers import Worker
 
 
@@ -25,9 +25,10 @@ class RouteContext:
     """Model whose hash namespace/index applies."""
     _hashes: list[int] | None = None
 
-    def hashes(self, block_size: int, seed: int) -> list[int]:
+    def hashes(self, hasher: PromptHasher, seed: int) -> list[int]:
+        """The prompt's block hashes in namespace ``seed`` (computed once per request)."""
         if self._hashes is None:
-            self._hashes = block_hashes(self.tokens, block_size, seed)
+            self._hashes = hasher.hashes(self.tokens, seed)
         return self._hashes
 
 

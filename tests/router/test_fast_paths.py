@@ -7,6 +7,7 @@ import random
 
 from prometheus_client import generate_latest
 
+from index.hashing import block_hashes
 from index.table import BlockTable
 from router.config import RouterConfig
 from router.kv_aware import KvAware
@@ -46,7 +47,7 @@ def test_index_version_memo_changes_no_decision() -> None:
             picks.append((choice.worker.instance_id, choice.matched_blocks,
                           choice.indexed_blocks, choice.candidates, len(kv.prediction)))
         assert picks[0] == picks[1], step
-        lagging.append((picks[0][0], RouteContext(encode_text(text)).hashes(cfg.block_size, 1337)))
+        lagging.append((picks[0][0], block_hashes(encode_text(text), cfg.block_size, 1337)))
         # The index catches up a few requests late, sometimes evicts.
         if len(lagging) > rng.randrange(1, 6):
             who, blocks = lagging.pop(0)
