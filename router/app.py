@@ -40,6 +40,7 @@ class RouterApp:
         self.dispatcher = Dispatcher(self.state, self.upstreams)
         self.health = HealthChecker(config, self.state.pools, self.upstreams)
         self.server = HttpServer(self.handle, max_body=config.max_body,
+                                 read_timeout=config.client_read_timeout,
                                  limit_hint=" (router --max-body)", on_reject=self._rejected)
         self.port: int | None = None
         self._stack = contextlib.AsyncExitStack()

@@ -116,6 +116,9 @@ class RouterConfig:
     """Relative jitter (±) on each backoff."""
     request_timeout: float = 1800.0
     """Seconds an upstream may stay silent (between bytes) before the attempt fails."""
+    client_read_timeout: float = 60.0
+    """Seconds a client has to send a whole request once its first byte arrived (408 after):
+    a client trickling bytes cannot hold a connection forever."""
     connect_timeout: float = 10.0
     """Seconds to connect to an upstream."""
     max_connections: int = 2048
@@ -145,6 +148,7 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("health_interval", "health_timeout", "request_timeout", "connect_timeout",
+                     "client_read_timeout",
                      "prediction_ttl", "retry_backoff_multiplier"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -224,6 +228,9 @@ class RouterConfig:
         parser.add_argument("--retry-initial-backoff-ms", type=float,
                             default=d.retry_initial_backoff * 1000)
         parser.add_argument("--request-timeout-secs", type=float, default=d.request_timeout)
+        parser.add_argument("--client-read-timeout-secs", type=float,
+                            default=d.client_read_timeout,
+                            help="seconds a client has to send a whole request (408 after)")
         parser.add_argument("--no-uvloop", action="store_true",
                             help="use the asyncio event loop even when uvloop is installed")
 
@@ -251,5 +258,6 @@ class RouterConfig:
             breaker_timeout=args.cb_timeout_duration_secs,
             retry_max_attempts=args.retry_max_retries,
             retry_initial_backoff=args.retry_initial_backoff_ms / 1000,
-            request_timeout=args.request_timeout_secs, uvloop=not args.no_uvloop,
+            request_timeout=args.request_timeout_secs,
+            client_read_timeout=args.client_read_timeout_secs, uvloop=not args.no_uvloop,
         )

@@ -172,6 +172,8 @@ class HttpProtocol(asyncio.Protocol):
         self.head_bytes = 0
         self.ignore_rest = False
         self.last_active = time.monotonic()
+        self.receiving_since: float | None = None
+        """When the request being received began (None between requests)."""
         self._paused: asyncio.Future[None] | None = None
         self._url = b""
         self._headers: dict[str, str] = {}
@@ -227,6 +229,7 @@ class HttpProtocol(asyncio.Protocol):
     # --- parser callbacks -------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self.receiving_since = self.last_active
         self.in_head = True
         self.head_bytes = 0
         self._url = b""
@@ -263,6 +266,7 @@ class HttpProtocol(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self.receiving_since = None
         try:
             url = httptools.parse_url(self._url)
         except httptools.HttpParserInvalidURLError:
@@ -371,14 +375,16 @@ class HttpProtocol(asyncio.Protocol):
 
 class HttpServer:
     """Listens and hands each request to ``handler``; idle keep-alive connections are closed
-    after ``keepalive_timeout`` seconds."""
+    after ``keepalive_timeout`` seconds, and a request not received whole within
+    ``read_timeout`` seconds of its first byte gets a 408."""
 
     def __init__(self, handler: Handler, *, max_body: int, keepalive_timeout: float = 75.0,
-                 limit_hint: str = "",
+                 read_timeout: float = 60.0, limit_hint: str = "",
                  on_reject: Callable[[int], None] | None = None) -> None:
         self.handler = handler
         self.max_body = max_body
         self.keepalive_timeout = keepalive_timeout
+        self.read_timeout = read_timeout
         self.limit_hint = limit_hint
         self.on_reject = on_reject
         """Told the status of every request refused before reaching the handler (413, 431,
@@ -399,10 +405,18 @@ class HttpServer:
     async def _sweep(self) -> None:
         # One timer for all connections, instead of re-arming one per request.
         while True:
-            await asyncio.sleep(min(5.0, self.keepalive_timeout / 2))
-            cutoff = time.monotonic() - self.keepalive_timeout
+            await asyncio.sleep(min(5.0, self.keepalive_timeout / 2, self.read_timeout / 2))
+            now = time.monotonic()
+            idle_cutoff = now - self.keepalive_timeout
+            read_cutoff = now - self.read_timeout
             for conn in list(self.connections):
-                if not conn.busy and conn.last_active < cutoff:
+                since = conn.receiving_since
+                if since is not None and since < read_cutoff and not conn.busy:
+                    # Judged from the first byte, not the last: bytes trickled in one at a
+                    # time would otherwise keep the connection for ever. (Not while an earlier
+                    # pipelined request is answered: the 408 would pass for its answer.)
+                    conn._fail(408, f"request not received within {self.read_timeout:g} s")
+                elif not conn.busy and conn.last_active < idle_cutoff:
                     conn.close()
 
     async def close(self, grace: float = 5.0) -> None:

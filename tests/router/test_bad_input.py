@@ -1,6 +1,7 @@
 """Bad input gets a JSON 4xx naming the problem, and nothing reaches a worker."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -80,6 +81,27 @@ async def test_body_over_limit_is_413(setup: Any) -> None:
     # Refused before any handler ran, and still counted.
     metrics = await (await client.get("/metrics")).text()
     assert 'kvatlas_router_requests_total{route="rejected",status="413"} 2.0' in metrics
+
+
+async def test_a_request_trickled_past_the_read_timeout_is_408(stubs: Any,
+                                                               make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d], model="tiny", client_read_timeout=0.3)
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.app.port)
+    writer.write(b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-length: 2000\r\n\r\n{")
+    head = b""
+    for _ in range(100):  # a byte every 50 ms, for up to 5 s: never idle, never complete
+        try:
+            head = await asyncio.wait_for(reader.read(1024), 0.05)
+            break
+        except asyncio.TimeoutError:
+            writer.write(b" ")
+    assert head.startswith(b"HTTP/1.1 408 "), head
+    assert b"not received within 0.3 s" in head
+    writer.close()
+    assert not p.bodies and not d.bodies
+    metrics = await (await client.get("/metrics")).text()
+    assert 'kvatlas_router_requests_total{route="rejected",status="408"} 1.0' in metrics
 
 
 async def test_unknown_model_is_404(setup: Any) -> None:

@@ -60,6 +60,8 @@ def test_cli_mirrors_sglang_router_flags() -> None:
     assert (d.breaker_failure_threshold, d.breaker_timeout, d.breaker_success_threshold) == \
         (10, 60.0, 3)
     assert d.retry_max_attempts == 5 and d.backoff(0) == 0.05 and d.backoff(2) == 0.05 * 2.25
+    assert d.client_read_timeout == 60.0
+    assert parse(["--client-read-timeout-secs", "5"]).client_read_timeout == 5.0
 
 
 @pytest.mark.parametrize(("kwargs", "needle"), [
@@ -70,6 +72,7 @@ def test_cli_mirrors_sglang_router_flags() -> None:
     ({"admin_token": "short"}, "admin token"),
     ({"max_body": 0}, "max_body"),
     ({"retry_jitter": 1.5}, "retry_jitter"),
+    ({"client_read_timeout": 0}, "client_read_timeout must be > 0"),
     ({"etcd_prefix": "nope"}, "prefix"),
 ])
 def test_config_rejects_bad_values(kwargs: dict[str, Any], needle: str) -> None:

@@ -140,6 +140,50 @@ async def test_silent_connection_is_closed_after_keepalive_timeout(serve: Starte
     assert 0.12 <= time.monotonic() - t0 <= 2.0
 
 
+async def test_a_trickled_request_gets_408_from_its_first_byte(serve: Started) -> None:
+    rejected: list[int] = []
+    server, port = await serve(echo, keepalive_timeout=30, read_timeout=0.4,
+                               on_reject=rejected.append)
+    reader, writer = await connect(port)
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\nx-slow: ")
+    t0 = time.monotonic()
+    answer = asyncio.ensure_future(read_response(reader, timeout=5))
+    while not answer.done() and time.monotonic() - t0 < 5:
+        writer.write(b"a")  # a byte every 50 ms: never idle, never complete
+        await asyncio.sleep(0.05)
+    status, _, body = await answer
+    assert status == 408 and "not received within 0.4 s" in json.loads(body)["error"]
+    assert 0.3 <= time.monotonic() - t0 <= 3.0
+    assert await at_eof(reader) and rejected == [408] and not server.connections
+
+
+async def test_a_slow_but_whole_request_is_served(serve: Started) -> None:
+    _, port = await serve(echo, read_timeout=1.0)
+    reader, writer = await connect(port)
+    for piece in (b"POST /p HTTP/1.1\r\nhost: x\r\n", b"content-length: 2\r\n\r\n", b"ok"):
+        writer.write(piece)
+        await asyncio.sleep(0.1)
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["body"] == "ok"
+    writer.close()
+
+
+async def test_no_408_while_an_earlier_pipelined_request_is_answered(serve: Started) -> None:
+    async def handler(request: Request) -> Response:
+        await asyncio.sleep(0.8)  # longer than the read timeout
+        return json_response({"path": request.path})
+
+    _, port = await serve(handler, read_timeout=0.3)
+    reader, writer = await connect(port)
+    writer.write(b"GET /first HTTP/1.1\r\nhost: x\r\n\r\nGET /second HTTP/1.1\r\nho")
+    status, _, body = await read_response(reader, timeout=3)
+    assert status == 200 and json.loads(body)["path"] == "/first"
+    # The second request has been arriving for longer than the timeout: it is the one refused.
+    status, _, _ = await read_response(reader, timeout=3)
+    assert status == 408
+    assert await at_eof(reader)
+
+
 async def test_close_waits_for_in_flight_request(serve: Started) -> None:
     started = asyncio.Event()
     release = asyncio.Event()
