@@ -23,11 +23,12 @@ class Upstreams:
         return pool
 
     def _on_worker_change(self, event: str, worker: Worker) -> None:
-        # A departed worker's connections would otherwise linger until its sockets time out.
-        if event == "leave" and not any(w.url == worker.url for w in self.workers.all()):
-            pool = self.pools.pop(worker.url, None)
-            if pool is not None:
-                pool.close()
+        # A departed or moved worker's connections would otherwise linger until their sockets
+        # time out (a URL may be shared: static and etcd records of one server).
+        if event in ("leave", "moved"):
+            in_use = {w.url for w in self.workers.all()}
+            for url in [u for u in self.pools if u not in in_use]:
+                self.pools.pop(url).close(f"the worker at {url} left or moved")
 
     def close(self) -> None:
         for pool in self.pools.values():

@@ -119,7 +119,7 @@ class WorkerPools:
         self._models: frozenset[str] | None = None
         """models() as of the last change to the pools (it is asked on every request)."""
         self.listeners: list[Any] = []
-        """Callables ``(event, worker)`` told of "join" and "leave"."""
+        """Callables ``(event, worker)`` told of "join", "leave" and "moved" (a new URL)."""
 
     def new_breaker(self) -> CircuitBreaker:
         c = self.config
@@ -153,11 +153,15 @@ class WorkerPools:
             logger.info("%s worker %s joined (%s, %s)", role, iid, url, source)
             self._tell("join", worker)
         else:
+            moved = worker.url != url
             worker.url = url
             worker.bootstrap_host = bootstrap_host or urlsplit(url).hostname
             worker.bootstrap_port = bootstrap_port
             worker.model, worker.source, worker.ready = model, source, ready
             worker.record = record or {}
+            if moved:
+                logger.info("%s worker %s moved to %s", role, iid, url)
+                self._tell("moved", worker)
         if source == "etcd":
             for other in self.workers[role].values():
                 if other.source != "etcd" and other.url == url:

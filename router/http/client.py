@@ -437,15 +437,16 @@ class UpstreamPool:
         except ValueError:
             pass
 
-    def close(self) -> None:
-        """Drop every connection: idle ones now, busy ones too (their calls fail)."""
+    def close(self, reason: str = "the router is shutting down") -> None:
+        """Drop every connection: idle ones now, busy ones too (their calls fail, for
+        ``reason``)."""
         self.closed = True
         if self._watchdog is not None:
             self._watchdog.cancel()
         for task in self.connecting:
             task.cancel()
         for conn in [*self.idle, *self.active]:
-            conn.fail(UpstreamClosed(self.origin, "the router is shutting down"))
+            conn.fail(UpstreamClosed(self.origin, reason))
             conn.abort()
         self.idle.clear()
         self.active.clear()

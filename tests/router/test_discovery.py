@@ -56,6 +56,35 @@ async def test_join_and_leave_within_a_second(start_router: Any, etcd: Any, layo
     assert ready.status == 503 and "no prefill" in (await ready.json())["prefill"]["reason"]
 
 
+async def test_a_worker_that_moves_is_reached_at_its_new_url_only(
+        start_router: Any, etcd_settings: Any, key_prefix: str, stubs: Any,
+        register: Any) -> None:
+    (p_old, p_new), (d,) = await stubs("prefill", 2), await stubs("decode")
+    client = await router(start_router, etcd_settings, key_prefix, model="tiny")
+    pi = await register("p0", {"role": "prefill", "url": p_old.url, "model": "tiny"})
+    await register("d0", {"role": "decode", "url": d.url, "model": "tiny"})
+
+    async def ready() -> bool:
+        return (await client.get("/readiness")).status == 200
+
+    await wait_for(ready)
+    assert (await client.post("/generate", json={"text": "one"})).status == 200
+    pools = client.app.upstreams.pools
+    assert p_old.url in pools
+    old_pool = pools[p_old.url]
+
+    # Restarted on another port: same instance id, new URL.
+    await pi.update(url=p_new.url)
+
+    async def moved() -> bool:
+        return p_old.url not in pools
+
+    await wait_for(moved)
+    assert old_pool.closed
+    assert (await client.post("/generate", json={"text": "two"})).status == 200
+    assert len(p_old.bodies) == 1 and len(p_new.bodies) == 1
+
+
 async def test_records_ignored_when_unusable(start_router: Any, etcd: Any, layout: Any,
                                              etcd_settings: Any, key_prefix: str,
                                              stubs: Any, register: Any) -> None:
