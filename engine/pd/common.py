@@ -12,7 +12,7 @@ from aiohttp import web
 
 from engine import server as mono
 from engine.errors import BadRequest
-from engine.http_common import error_middleware, read_body, state
+from engine.http_common import error_middleware
 from engine.kv_pool import KVPool
 from engine.model import Combine, SeqChunk, Transformer
 from engine.pd.config import PDConfig
@@ -20,7 +20,6 @@ from engine.pd.dist import Dist, RankInfo
 from engine.pd.replica import ReplicatedScheduler
 from engine.pd.uplink import UplinkServer
 from engine.prefix_cache import PrefixCache
-from engine.protocol import GenInput, parse_generate
 from engine.scheduler import Scheduler
 from transfer import KVLayout
 from transfer.layout import dtype_from_name
@@ -83,8 +82,8 @@ def bootstrap_fields(body: dict[str, Any]) -> Bootstrap:
         raise BadRequest(missing[0], f"missing ({', '.join(missing)} absent): this worker "
                          f"serves one half of a disaggregated pair; {ROUTER_HINT}")
     if isinstance(room, list) or isinstance(host, list) or isinstance(port, list):
-        raise BadRequest("bootstrap_room", "batched PD requests are not supported; send one "
-                         "prompt per request")
+        raise BadRequest("bootstrap_room", "lists of bootstrap fields go with a batch of "
+                         "prompts (text or input_ids as a list), one value per prompt")
     if not isinstance(host, str) or not host:
         raise BadRequest("bootstrap_host", "must be a non-empty string")
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
@@ -132,14 +131,3 @@ async def start_group_leader(cfg: PDConfig, info: RankInfo, dist: Dist
         await uplink.start()
         dist.group_broadcast(uplink.address)
     return sched, layout, replica, uplink
-
-
-async def read_pd_request(request: web.Request) -> tuple[dict[str, Any], Bootstrap, GenInput, bool]:
-    """(body, bootstrap fields, the one prompt, stream) of a PD ``/generate``: one prompt per
-    request, because one bootstrap room binds one KV transfer."""
-    body = await read_body(request)
-    boot = bootstrap_fields(body)
-    inputs, batch, stream = parse_generate(body, state(request).model)
-    if batch:
-        raise BadRequest("text", "a PD request carries one prompt (one bootstrap_room)")
-    return body, boot, inputs[0], stream

@@ -28,8 +28,8 @@ from engine import server as mono
 from engine.errors import BadRequest
 from engine.http_common import STATE_KEY, EngineState, sse_response, sse_send
 from engine.metrics import make_registry
-from engine.pd.common import (Bootstrap, json_error, read_pd_request, start_group_leader,
-                              worker_app)
+from engine.pd.batch import PDItem, answer_batch, read_pd_items
+from engine.pd.common import Bootstrap, json_error, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.fetch import DecodeRank, FetchError
 from engine.pd.prefill import CFG_KEY, RANKS_KEY, RankContext
@@ -63,15 +63,24 @@ DECODE_KEY = web.AppKey("pd_decode", DecodeState)
 
 async def generate(request: web.Request) -> web.StreamResponse:
     ds = request.app[DECODE_KEY]
-    body, boot, gi, stream = await read_pd_request(request)
-    ds.engine.scheduler.check_fits(len(gi.prompt), gi.params.max_new_tokens)
-    if ds.rooms.get(boot.room) is not None:
-        raise BadRequest("bootstrap_room", f"room {boot.room} was already used on this decode; "
-                         "the router must draw a new room for every attempt")
+    items, batch = await read_pd_items(request)
+    for item in items:  # all refused before any room opens
+        ds.engine.scheduler.check_fits(len(item.gen.prompt), item.gen.params.max_new_tokens)
+        if ds.rooms.get(item.boot.room) is not None:
+            raise BadRequest("bootstrap_room", f"room {item.boot.room} was already used on this "
+                             "decode; the router must draw a new room for every attempt")
+    if not batch:
+        return await decode_item(request, ds, items[0])
+    return await answer_batch([decode_item(request, ds, item) for item in items])
+
+
+async def decode_item(request: web.Request, ds: DecodeState, item: PDItem
+                      ) -> web.StreamResponse:
+    gi, boot = item.gen, item.boot
     rid = gi.rid or uuid.uuid4().hex
     rec = ds.rooms.open(boot.room, rid, boot.addr)
     try:
-        return await serve_room(request, ds, gi, rid, boot, rec, stream)
+        return await serve_room(request, ds, gi, rid, boot, rec, item.stream)
     finally:
         if rec.state == "in_flight":  # cancelled (the client left) before an outcome
             ds.rooms.close(rec, error={"stage": rec.stage, "rank": ds.rank.rank,

@@ -31,8 +31,8 @@ from engine import server as mono
 from engine.errors import BadRequest, CapacityError
 from engine.http_common import STATE_KEY, EngineState
 from engine.metrics import make_registry
-from engine.pd.common import (Bootstrap, json_error, read_pd_request, start_group_leader,
-                              worker_app)
+from engine.pd.batch import PDItem, answer_batch, read_pd_items
+from engine.pd.common import Bootstrap, json_error, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.dist import Dist, RankInfo
 from engine.pd.registration import EventFeed, put_route, route_body
@@ -94,14 +94,21 @@ RANKS_KEY = web.AppKey("pd_ranks", RankContext)
 
 async def generate(request: web.Request) -> web.StreamResponse:
     ps = request.app[PREFILL_KEY]
-    body, boot, gi, _ = await read_pd_request(request)
+    items, batch = await read_pd_items(request)
+    if not batch:
+        return await prefill_item(ps, items[0])
+    return await answer_batch([prefill_item(ps, item) for item in items])
+
+
+async def prefill_item(ps: PrefillState, item: PDItem) -> web.Response:
     info = ps.ranks.info
     if info.world_rank == 0 and info.dp_size > 1:
-        dp = await choose_dp(ps, boot)
+        dp = await choose_dp(ps, item.boot)
         if dp != 0:
-            return await forward(ps, dp, body)
+            return await forward(ps, dp, item.body)
+    gi = item.gen
     ps.engine.scheduler.check_fits(len(gi.prompt), 1)  # a prefill keeps the prompt's KV only
-    return await prefill_one(ps, gi.prompt, gi.params, gi.rid or uuid.uuid4().hex, boot)
+    return await prefill_one(ps, gi.prompt, gi.params, gi.rid or uuid.uuid4().hex, item.boot)
 
 
 async def choose_dp(ps: PrefillState, boot: Bootstrap) -> int:

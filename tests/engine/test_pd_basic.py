@@ -4,6 +4,7 @@ per-room evidence, and requests without bootstrap fields are refused."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import aiohttp
 import pytest
@@ -90,6 +91,64 @@ async def test_seeded_sampling_continues_the_prefills_stream(pair: Pair) -> None
         (ps, _), (ds, dbody) = await dual(s, pair.p_url, pair.d_url, body)
     assert (ps, ds) == (200, 200)
     assert dbody["output_ids"] == ref["r"].output_ids
+
+
+def batch_body(prompts: list[list[int]], max_new: int, bport: int) -> dict[str, Any]:
+    """What the router sends for a batch: one room per prompt."""
+    return {**pd_body(prompts[0], max_new, bport), "input_ids": prompts,
+            "bootstrap_room": [new_room() for _ in prompts]}
+
+
+async def test_a_batch_is_served_item_by_item_with_a_room_each(pair: Pair) -> None:
+    prompts = shared_prefix_prompts(4, seed=9, n_bases=1, base_len=(40, 40))
+    want = monolithic(prompts, [5] * 4)
+    body = batch_body(prompts, 5, pair.bport)
+    body["bootstrap_port"] = [pair.bport] * 4  # lists or one value: both as SGLang sends
+    async with aiohttp.ClientSession() as s:
+        (ps, pbody), (ds, dbody) = await dual(s, pair.p_url, pair.d_url, body)
+        assert (ps, ds) == (200, 200), (pbody, dbody)
+        assert [d["output_ids"] for d in dbody] == want
+        assert [p["meta_info"]["bootstrap_room"] for p in pbody] == body["bootstrap_room"]
+        assert [d["output_ids"][:1] for d in dbody] == [p["output_ids"] for p in pbody]
+        for room in body["bootstrap_room"]:
+            async with s.get(f"{pair.d_url}/debug/rooms/{room}") as r:
+                assert (await r.json())["state"] == "done"
+    assert pair.ds.replica.pool.num_free == pair.ds.replica.pool.num_pages
+    assert not pair.ps.replica.held
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"bootstrap_room": 5}, "needs a list of 3 rooms"),
+    ({"bootstrap_room": [1, 2]}, "needs 3 values, got 2"),
+    ({"bootstrap_room": [7, 7, 8]}, "its own room"),
+    ({"bootstrap_host": ["127.0.0.1"]}, "bootstrap_host: a batch of 3"),
+    ({"stream": True}, "single prompt"),
+    ({"input_ids": [[1, 2], [3, -4], [5]]}, "batch item 1: input_ids"),
+    ({"bootstrap_room": [1, "x", 3]}, "batch item 1: bootstrap_room"),
+    ({"input_ids": []}, "input_ids"),
+])
+async def test_a_malformed_batch_is_refused_before_any_item_starts(
+        pair: Pair, change: dict[str, Any], needle: str) -> None:
+    body = {**batch_body([[256, 1, 2], [256, 3], [256, 4]], 2, pair.bport), **change}
+    async with aiohttp.ClientSession() as s:
+        for url in (pair.p_url, pair.d_url):
+            async with s.post(url + "/generate", json=body) as r:
+                doc = await r.json()
+                assert r.status == 400 and needle in doc["error"], doc
+    assert not pair.ds.rooms.active and not pair.ds.rooms.finished and not pair.ps.replica.held
+
+
+async def test_a_batch_with_a_used_room_opens_none(pair: Pair) -> None:
+    ids = [256, *b"first"]
+    async with aiohttp.ClientSession() as s:
+        body = pd_body(ids, 2, pair.bport)
+        (ps, _), (ds, _) = await dual(s, pair.p_url, pair.d_url, body)
+        assert (ps, ds) == (200, 200)
+        again = batch_body([ids, ids], 2, pair.bport)
+        again["bootstrap_room"][1] = body["bootstrap_room"]
+        async with s.post(pair.d_url + "/generate", json=again) as r:
+            assert r.status == 400 and "already used" in (await r.json())["error"]
+    assert not pair.ds.rooms.active and set(pair.ds.rooms.finished) == {body["bootstrap_room"]}
 
 
 def test_room_log_retention_is_bounded_by_count_and_age() -> None:

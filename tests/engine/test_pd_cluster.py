@@ -15,7 +15,7 @@ import pytest
 
 from engine_helpers import shared_prefix_prompts
 from kvatlas.etcd_proc import free_port
-from pd_helpers import monolithic, pd_body
+from pd_helpers import monolithic, new_room, pd_body
 from pd_procs import Proc
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,8 +45,8 @@ _REFERENCE: dict[str, list[list[int]]] = {}
 
 def reference(model: str) -> list[list[int]]:
     if model not in _REFERENCE:
-        prompts, max_new = _workload()
-        _REFERENCE[model] = monolithic(prompts, max_new, model)
+        prompts, _ = _workload()
+        _REFERENCE[model] = monolithic(prompts, _reference_max_new(), model)
     return _REFERENCE[model]
 
 
@@ -68,18 +68,27 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Proc, Proc, str]]:
         decode.stop()
 
 
+BATCH = 4
+"""Every fourth group of this many prompts goes as one batched request (a room per prompt)."""
+
+
 async def run_workload(prefill: Proc, decode: Proc) -> tuple[list[Any], int, int]:
     prompts, max_new = _workload()
     sem = asyncio.Semaphore(IN_FLIGHT)
     in_flight = peak = 0
     cached = 0
 
-    async def one(s: aiohttp.ClientSession, ids: list[int], n: int) -> Any:
+    async def one(s: aiohttp.ClientSession, group: list[tuple[list[int], int]]) -> list[Any]:
         nonlocal in_flight, peak, cached
+        if len(group) == 1:
+            body = pd_body(group[0][0], group[0][1], prefill.bport)
+        else:  # a batch shares sampling params: the group's prompts all ask for the same
+            body = {**pd_body(group[0][0], group[0][1], prefill.bport),
+                    "input_ids": [ids for ids, _ in group],
+                    "bootstrap_room": [new_room() for _ in group]}
         async with sem:
-            in_flight += 1
+            in_flight += len(group)
             peak = max(peak, in_flight)
-            body = pd_body(ids, n, prefill.bport)
             try:
                 async with asyncio.TaskGroup() as tg:
                     p = tg.create_task(s.post(prefill.url + "/generate", json=body))
@@ -87,15 +96,35 @@ async def run_workload(prefill: Proc, decode: Proc) -> tuple[list[Any], int, int
                 pr, dr = p.result(), d.result()
                 pbody, dbody = await pr.json(), await dr.json()
             finally:
-                in_flight -= 1
+                in_flight -= len(group)
             assert pr.status == 200, pbody
             assert dr.status == 200, dbody
-            cached += pbody["meta_info"]["cached_tokens"]
-            return dbody["output_ids"]
+            if len(group) == 1:
+                pbody, dbody = [pbody], [dbody]
+            cached += sum(x["meta_info"]["cached_tokens"] for x in pbody)
+            return [x["output_ids"] for x in dbody]
 
+    groups: list[list[tuple[list[int], int]]] = []
+    for start in range(0, len(prompts), BATCH):
+        chunk = list(zip(prompts[start:start + BATCH], max_new[start:start + BATCH]))
+        if (start // BATCH) % 4 == 0:
+            n = chunk[0][1]
+            groups.append([(ids, n) for ids, _ in chunk])
+        else:
+            groups.extend([c] for c in chunk)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=200)) as s:
-        got = await asyncio.gather(*(one(s, p, n) for p, n in zip(prompts, max_new)))
-    return got, peak, cached
+        got = await asyncio.gather(*(one(s, g) for g in groups))
+    return [ids for answer in got for ids in answer], peak, cached
+
+
+def _reference_max_new() -> list[int]:
+    """The max_new_tokens each prompt is sent with (a batch's prompts share its first's)."""
+    _, max_new = _workload()
+    out = list(max_new)
+    for start in range(0, len(out), BATCH):
+        if (start // BATCH) % 4 == 0:
+            out[start:start + BATCH] = [max_new[start]] * len(out[start:start + BATCH])
+    return out
 
 
 async def test_pd_tokens_equal_monolithic(cluster: tuple[Proc, Proc, str]) -> None:
@@ -133,7 +162,8 @@ async def test_two_node_prefill_takes_node0_bootstrap_port() -> None:
 
 
 async def run_workload_subset(prefill: Proc, decode: Proc, n: int) -> tuple[list[Any], int, int]:
-    prompts, max_new = _workload()
+    prompts, _ = _workload()
+    max_new = _reference_max_new()
     async with aiohttp.ClientSession() as s:
         out = []
         for ids, m in zip(prompts[:n], max_new[:n]):

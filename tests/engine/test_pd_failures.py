@@ -62,6 +62,24 @@ async def test_bad_kv_fails_only_that_request(pair: Pair, fault: str) -> None:
     assert pool.num_free == pool.num_pages and not pair.ds.replica.running
 
 
+async def test_a_batch_with_one_bad_item_fails_naming_it(pair: Pair) -> None:
+    prompts = shared_prefix_prompts(3, seed=4, n_bases=1)
+    rooms = [new_room() for _ in prompts]
+    pair.ps.sender.hooks.corrupt_rooms.add(rooms[1])
+    body = {**pd_body(prompts[0], 4, pair.bport), "input_ids": prompts, "bootstrap_room": rooms}
+    async with aiohttp.ClientSession() as s:
+        (ps, pbody), (ds, dbody) = await dual(s, pair.p_url, pair.d_url, body)
+        assert (ps, ds) == (502, 502), (pbody, dbody)
+        assert dbody["error"].startswith("batch item 1: ") and "checksum mismatch" in dbody["error"]
+        assert dbody["item"] == 1 and dbody["stage"] == "verified" and dbody["room"] == rooms[1]
+        assert pbody["item"] == 1
+        # The other items were served whole; only the bad one failed.
+        states = [(await room_doc(s, pair.d_url, r))["state"] for r in rooms]
+    assert states == ["done", "failed", "done"]
+    pool = pair.ds.replica.pool
+    assert pool.num_free == pool.num_pages and not pair.ps.replica.held
+
+
 @pytest.mark.parametrize("over, field, mine, theirs", [
     ({"page_size": 8}, "page_size", "8", "16"),
     ({"kv_cache_dtype": "float32"}, "kv_cache_dtype", "float32", "float64"),

@@ -55,6 +55,13 @@ def test_up_status_generate_down(tmp_path: Path) -> None:
                       "--max-new-tokens", "4", "--json")
         assert gen.returncode == 0, gen.stderr
         assert json.loads(gen.stdout)["meta_info"]["completion_tokens"] == 4
+        # A batch through the router: each prompt gets its own room on both halves.
+        batch = json.dumps({"text": ["a first prompt", "a second one"],
+                            "sampling_params": {"max_new_tokens": 3}}).encode()
+        with urllib.request.urlopen(state.router["url"] + "/generate", batch, timeout=30) as r:
+            answers = json.loads(r.read())
+        assert [a["meta_info"]["completion_tokens"] for a in answers] == [3, 3]
+        assert len({a["meta_info"]["bootstrap_room"] for a in answers}) == 2
         again = kvatlas("cluster", "up", *FAST, "--detach", "--run-dir", str(run_dir))
         assert again.returncode == 2 and "already running" in again.stderr
         # doctor walks the whole chain, then names the first broken link.
