@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import TracebackType
@@ -85,12 +86,15 @@ class BootstrapClientConfig:
         group.add_argument("--bootstrap-timeout", type=float, default=cls.timeout_s,
                            help="seconds per bootstrap HTTP call (default %(default)s)")
         group.add_argument("--bootstrap-auth-token", default=None,
-                           help="bearer token for POSTs to bootstrap servers")
+                           help="bearer token for POSTs to bootstrap servers "
+                                "(default: $KVATLAS_AUTH_TOKEN)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> BootstrapClientConfig:
         return cls(retry_interval_s=args.bootstrap_retry_interval, tries=args.bootstrap_tries,
-                   timeout_s=args.bootstrap_timeout, auth_token=args.bootstrap_auth_token)
+                   timeout_s=args.bootstrap_timeout,
+                   auth_token=args.bootstrap_auth_token or os.environ.get("KVATLAS_AUTH_TOKEN")
+                   or None)
 
 
 def format_addr(host: str, port: int) -> str:

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 from index.etcd import EtcdSettings
 from index.keys import KeyLayout, validate_instance_id, validate_model
+
+AUTH_TOKEN_ENV = "KVATLAS_AUTH_TOKEN"
+"""Where ``--auth-token`` is read from when not given."""
 
 DEFAULT_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 
@@ -89,7 +93,8 @@ class BootstrapConfig:
         parser.add_argument("--instance-id", required=True, help="this prefill instance's id")
         parser.add_argument("--model", required=True, help="the model the instance serves")
         parser.add_argument("--auth-token", default=None,
-                            help="require 'Authorization: Bearer TOKEN' on PUT and POST")
+                            help="require 'Authorization: Bearer TOKEN' on PUT and POST "
+                                 f"(default: ${AUTH_TOKEN_ENV}, which keeps it out of ps)")
         parser.add_argument("--lease-ttl", type=int, default=10,
                             help="etcd lease TTL in seconds (default 10)")
         parser.add_argument("--dp-room-ttl", type=float, default=120.0,
@@ -111,7 +116,7 @@ class BootstrapConfig:
             advertise_host=args.advertise_host,
             etcd=None if getattr(args, "no_mirror", False) else etcd,
             etcd_prefix=getattr(args, "etcd_prefix", "/kvatlas"),
-            auth_token=args.auth_token,
+            auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
             lease_ttl=args.lease_ttl,
             dp_room_ttl=args.dp_room_ttl,
             dp_room_max_entries=args.dp_room_max_entries,

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from index.etcd import EtcdSettings
 from index.keys import KeyLayout, validate_model
+
+ADMIN_TOKEN_ENV = "KVATLAS_ADMIN_TOKEN"
+"""Where ``--admin-token`` is read from when not given."""
 
 POLICIES = ("kv_aware", "round_robin", "random", "power_of_two")
 MAX_PORT = 65535
@@ -201,7 +205,8 @@ class RouterConfig:
         parser.add_argument("--pd-disaggregation", action="store_true",
                             help="accepted for sglang-router compatibility (always PD)")
         parser.add_argument("--admin-token", default=None,
-                            help="token for POST/DELETE /workers (default: admin disabled)")
+                            help=f"token for POST/DELETE /workers (default: ${ADMIN_TOKEN_ENV}, "
+                                 "which keeps it out of ps; neither: admin disabled)")
         parser.add_argument("--max-body", type=int, default=d.max_body, help="bytes (413 above)")
         parser.add_argument("--block-size", type=int, default=d.block_size,
                             help="tokens per KV block (the engines' page size)")
@@ -247,7 +252,8 @@ class RouterConfig:
             etcd_prefix=getattr(args, "etcd_prefix", "/kvatlas"), model=args.model,
             policy=args.policy, prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy, prefill=prefill, decode=list(args.decode),
-            admin_token=args.admin_token, max_body=args.max_body, block_size=args.block_size,
+            admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
+            max_body=args.max_body, block_size=args.block_size,
             overlap_weight=args.overlap_weight, temperature=args.temperature,
             prediction_ttl=args.prediction_ttl,
             prediction_catch_up=args.prediction_catch_up, work_half_life=args.work_half_life,

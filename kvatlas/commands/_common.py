@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from index.etcd import EtcdSettings
 from index.keys import KeyLayout
+
+ETCD_PASSWORD_ENV = "KVATLAS_ETCD_PASSWORD"
+"""Where ``--etcd-password`` is read from when not given (with ``--etcd-user``)."""
 
 DEFAULT_ETCD = "127.0.0.1:2379"
 
@@ -16,16 +20,25 @@ def add_etcd_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--etcd-prefix", default="/kvatlas", help="key prefix (default /kvatlas)")
     g.add_argument("--etcd-timeout", type=float, default=5.0, help="seconds per etcd call")
     g.add_argument("--etcd-user", default=None, help="etcd user (with --etcd-password)")
-    g.add_argument("--etcd-password", default=None, help="etcd password")
+    g.add_argument("--etcd-password", default=None,
+                   help=f"etcd password (default: ${ETCD_PASSWORD_ENV}, which keeps it out of ps)")
     g.add_argument("--etcd-ca", default=None, help="CA certificate (PEM); turns TLS on")
     g.add_argument("--etcd-cert", default=None, help="client certificate (PEM) for mutual TLS")
     g.add_argument("--etcd-key", default=None, help="client key (PEM) for mutual TLS")
 
 
+def etcd_password(args: argparse.Namespace) -> str | None:
+    """``--etcd-password``, else (with ``--etcd-user``) ``$KVATLAS_ETCD_PASSWORD``."""
+    if args.etcd_password is None and args.etcd_user is not None:
+        return os.environ.get(ETCD_PASSWORD_ENV) or None
+    return args.etcd_password
+
+
 def etcd_settings(args: argparse.Namespace) -> EtcdSettings:
     return EtcdSettings.from_text(
         args.etcd or DEFAULT_ETCD, timeout=args.etcd_timeout, user=args.etcd_user,
-        password=args.etcd_password, ca_cert=args.etcd_ca, cert=args.etcd_cert, key=args.etcd_key,
+        password=etcd_password(args), ca_cert=args.etcd_ca, cert=args.etcd_cert,
+        key=args.etcd_key,
     )
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvatlas.cli import CLIError
-from kvatlas.commands._common import add_etcd_args
+from kvatlas.commands._common import add_etcd_args, etcd_password
 from kvatlas.launcher.state import ClusterState, proc_rss
 from kvatlas.launcher.supervisor import LocalCluster, StartError, http_status, stop_processes
 from kvatlas.launcher.topology import EtcdClientFlags, Topology
@@ -80,7 +80,7 @@ def register(subparsers: Any) -> None:
 def topology_from_args(args: argparse.Namespace) -> Topology:
     external = None if args.etcd in (None, "embedded") else args.etcd
     client = EtcdClientFlags(prefix=args.etcd_prefix, user=args.etcd_user,
-                             password=args.etcd_password, ca=args.etcd_ca, cert=args.etcd_cert,
+                             password=etcd_password(args), ca=args.etcd_ca, cert=args.etcd_cert,
                              key=args.etcd_key)
     return Topology(prefill=args.prefill, decode=args.decode, prefill_tp=args.prefill_tp,
                     prefill_dp=args.prefill_dp, decode_tp=args.decode_tp, model=args.model,

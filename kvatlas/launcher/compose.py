@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvatlas.launcher.topology import ComposeNetwork, Service, Topology
+from kvatlas.launcher.topology import ComposeNetwork, Service, Topology, split_secrets
 
 ETCD_IMAGE = "quay.io/coreos/etcd:v3.5.17"
 IMAGE = "kvatlas:latest"
@@ -46,10 +46,14 @@ def _service(svc: Service) -> dict[str, Any]:
     else:
         # hostname = service name: an instance listening on 0.0.0.0 advertises its host name
         # (bootstrap_host in etcd), which then resolves on the compose network.
+        argv, secrets = split_secrets(svc.args)
         out = {"image": IMAGE, "build": ".", "hostname": svc.name,
-               "command": ["kvatlas", *svc.args],
-               "healthcheck": {"test": _http_check(local), "interval": "5s", "timeout": "5s",
-                               "retries": 30, "start_period": "10s"}}
+               "command": ["kvatlas", *argv]}
+        if secrets:
+            # From the environment, not the command line, which `ps` shows everyone.
+            out["environment"] = secrets
+        out["healthcheck"] = {"test": _http_check(local), "interval": "5s", "timeout": "5s",
+                              "retries": 30, "start_period": "10s"}
     if svc.role == "router":
         # Published on the host's loopback only; the other services stay on the compose network.
         out["ports"] = [f"127.0.0.1:{svc.port}:{svc.port}"]

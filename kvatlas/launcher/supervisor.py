@@ -20,7 +20,8 @@ from pathlib import Path
 
 from kvatlas.etcd_proc import find_etcd_binary
 from kvatlas.launcher.state import ClusterState, ProcessRecord, proc_start_time
-from kvatlas.launcher.topology import SECRET_FLAGS, LocalNetwork, Service, Topology
+from kvatlas.launcher.topology import (SECRET_FLAGS, LocalNetwork, Service, Topology,
+                                       split_secrets)
 
 logger = logging.getLogger(__name__)
 
@@ -98,17 +99,19 @@ class LocalCluster:
 
     # --- starting --------------------------------------------------------------------------
 
-    def command(self, svc: Service) -> list[str]:
+    def command(self, svc: Service) -> tuple[list[str], dict[str, str]]:
+        """(argv, secrets for the environment) of ``svc``'s process."""
         if svc.role == "etcd":
-            return [find_etcd_binary(), *svc.args]
-        return [sys.executable, "-m", "kvatlas", *svc.args]
+            return [find_etcd_binary(), *svc.args], {}
+        argv, secrets = split_secrets(svc.args)
+        return [sys.executable, "-m", "kvatlas", *argv], secrets
 
     def launch(self, svc: Service) -> ProcessRecord:
         """Start one process (again, for a restart: same command, same ports)."""
         self.log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         log_path = self.log_dir / f"{svc.name}.log"
-        cmd = self.command(svc)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd, secrets = self.command(svc)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **secrets}
         with open(log_path, "ab") as log:
             log.write(f"--- {time.strftime('%H:%M:%S')} starting: {redacted(cmd)}\n".encode())
             log.flush()

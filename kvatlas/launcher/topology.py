@@ -21,7 +21,24 @@ ENGINE_MODES = ("pd", "monolithic")
 # Flags whose values are addresses (differ between networks) or secrets (differ per cluster).
 ADDRESS_FLAGS = frozenset({"--host", "--port", "--bootstrap-port", "--etcd", "--advertise-host",
                            "--decode", "--prefill"})
-SECRET_FLAGS = frozenset({"--auth-token", "--admin-token", "--etcd-password"})
+SECRET_ENV = {"--auth-token": "KVATLAS_AUTH_TOKEN", "--admin-token": "KVATLAS_ADMIN_TOKEN",
+              "--etcd-password": "KVATLAS_ETCD_PASSWORD"}
+"""Secret flags and the environment variables each process reads them from instead."""
+SECRET_FLAGS = frozenset(SECRET_ENV)
+
+
+def split_secrets(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(``args`` without secret flags, those secrets as environment variables): a process's
+    command line is readable by every user of the host (``ps``), its environment is not."""
+    argv: list[str] = []
+    env: dict[str, str] = {}
+    it = iter(args)
+    for a in it:
+        if a in SECRET_ENV:
+            env[SECRET_ENV[a]] = next(it)
+        else:
+            argv.append(a)
+    return argv, env
 
 
 class Network(Protocol):

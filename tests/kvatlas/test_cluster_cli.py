@@ -8,6 +8,7 @@ import socket
 import stat
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -31,6 +32,17 @@ def _all_gone(state: ClusterState) -> list[str]:
     return [p.name for p in state.processes if p.alive()]
 
 
+def admin_status(state: ClusterState, token: str) -> int:
+    """Status of an admin call to the router (removing a worker that does not exist)."""
+    req = urllib.request.Request(state.router["url"] + "/workers?url=http://127.0.0.1:9",
+                                 method="DELETE", headers={"authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def test_up_status_generate_down(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     up = kvatlas("cluster", "up", *FAST, "--detach", "--router-port", str(free_port()),
@@ -46,6 +58,13 @@ def test_up_status_generate_down(tmp_path: Path) -> None:
         assert stat.S_IMODE((run_dir / "cluster.json").stat().st_mode) == 0o600, "holds tokens"
         for p in state.processes:
             assert Path(p.log).is_file()
+        # Tokens reach the processes through their environment: `ps` shows no secret.
+        tokens = [state.topology["auth_token"].encode(), state.topology["admin_token"].encode()]
+        for p in state.processes:
+            cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes()
+            assert not any(t in cmdline for t in tokens), p.name
+        assert admin_status(state, state.topology["admin_token"]) == 404  # admitted; no such worker
+        assert admin_status(state, "wrong-token-123") == 401
         st = kvatlas("cluster", "status", "--json", "--run-dir", str(run_dir))
         assert st.returncode == 0, st.stderr
         status = json.loads(st.stdout)

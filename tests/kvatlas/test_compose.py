@@ -10,7 +10,7 @@ import pytest
 
 from kvatlas.etcd_proc import COMPACTION_ARGS
 from kvatlas.launcher.compose import compose_document, compose_topology, compose_yaml
-from kvatlas.launcher.topology import LocalNetwork, normalized
+from kvatlas.launcher.topology import SECRET_FLAGS, LocalNetwork, normalized, split_secrets
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -41,7 +41,10 @@ def test_compose_and_launcher_run_the_same_commands() -> None:
             assert [a.split("=")[0] for a in args] == [a.split("=")[0] for a in local[name]]
         else:
             assert program == "kvatlas"
-            assert normalized(args) == normalized(local[name]), name
+            argv, secrets = split_secrets(local[name])
+            assert normalized(args) == normalized(argv), name
+            # The same secrets, from the environment in both.
+            assert set(svc.get("environment", {})) == set(secrets), name
 
 
 def test_parsed_yaml_matches_the_topology() -> None:
@@ -57,7 +60,7 @@ def test_parsed_yaml_matches_the_topology() -> None:
     local = _local_services()
     for name, svc in parsed["services"].items():
         if svc["command"][0] == "kvatlas":
-            assert normalized(svc["command"][1:]) == normalized(local[name])
+            assert normalized(svc["command"][1:]) == normalized(split_secrets(local[name])[0])
 
 
 def test_health_gates_and_loopback_publishing() -> None:
@@ -74,17 +77,19 @@ def test_health_gates_and_loopback_publishing() -> None:
     assert "/readiness" in " ".join(doc["services"]["router"]["healthcheck"]["test"])
 
 
-def test_secrets_are_required_not_defaulted() -> None:
+def test_secrets_are_required_not_defaulted_and_kept_off_command_lines() -> None:
     services = compose_document()["services"]
-    cmd = " ".join(services["router"]["command"])
-    assert "${KVATLAS_ADMIN_TOKEN:?" in cmd
+    assert services["router"]["environment"]["KVATLAS_ADMIN_TOKEN"].startswith(
+        "${KVATLAS_ADMIN_TOKEN:?")
     # Bootstrap writes are guarded: every prefill requires the token, every decode sends it.
     for name in ("prefill-0", "prefill-1", "decode-0"):
         args = services[name]["command"]
-        token = args[args.index("--auth-token") + 1]
+        token = services[name]["environment"]["KVATLAS_AUTH_TOKEN"]
         assert token.startswith("${KVATLAS_AUTH_TOKEN:?"), (name, token)
         # Peers dial the service name (etcd url, bootstrap host, rank_ip), not 0.0.0.0.
         assert args[args.index("--advertise-host") + 1] == name
+    for name, svc in services.items():
+        assert not SECRET_FLAGS & set(svc["command"]), name
 
 
 def test_docker_compose_config_validates() -> None:
