@@ -24,6 +24,7 @@ from engine.pd.common import Bootstrap, build_rank
 from engine.pd.config import PDConfig
 from engine.pd.dist import Dist, RankInfo, die_with_parent, local_world_ranks
 from engine.pd.fetch import DecodeRank, FetchError
+from engine.pd.rank_watch import RankWatch
 from engine.pd.registration import put_route, route_body
 from engine.pd.replica import follow, loop_handoff
 from engine.pd.uplink import UplinkClient
@@ -39,8 +40,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def serve(cfg: PDConfig) -> None:
-    """Run this node's ranks until interrupted (blocking; used by the CLI)."""
+def serve(cfg: PDConfig) -> int:
+    """Run this node's ranks until interrupted (blocking; used by the CLI). Returns the exit
+    status: 1 when a rank process died and took the instance down with it."""
     world = cfg.world_size
     local = local_world_ranks(world, cfg.nnodes, cfg.node_rank)
     init_addr = cfg.dist_init_addr
@@ -51,9 +53,12 @@ def serve(cfg: PDConfig) -> None:
                 for r in local[1:]]
     for p in children:
         p.start()
+    watch = RankWatch(children)
+    watch.start()
     try:
         run_rank(cfg, local[0], init_addr)
     finally:
+        watch.stop()
         for p in children:
             if p.is_alive():
                 p.terminate()
@@ -61,6 +66,7 @@ def serve(cfg: PDConfig) -> None:
             p.join(10)
             if p.is_alive():
                 p.kill()
+    return 1 if watch.dead is not None else 0
 
 
 def _child(cfg: PDConfig, world_rank: int, init_addr: str | None) -> None:

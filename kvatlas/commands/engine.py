@@ -40,5 +40,4 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvatlas.commands._common import etcd_settings
 
     cfg = PDConfig.from_cli_args(args, engine, etcd_settings(args) if args.etcd else None)
-    serve(cfg)
-    return 0
+    return serve(cfg)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -104,3 +107,34 @@ async def test_dp2_prefill_indexes_both_groups_caches(etcd_endpoint: str, key_pr
     finally:
         prefill.stop()
         decode.stop()
+
+
+def rank_children(pid: int) -> list[int]:
+    """The rank processes a leader spawned: its children that run multiprocessing's spawn
+    entry point (not its resource tracker)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(int(child))
+    return out
+
+
+async def test_a_dead_rank_takes_its_instance_down_and_out_of_etcd(
+        etcd_endpoint: str, key_prefix: str, etcd: EtcdClient) -> None:
+    layout = KeyLayout(prefix=key_prefix)
+    prefill = Proc("prefill", "--tp", "2", "--etcd", etcd_endpoint, "--etcd-prefix", key_prefix,
+                   "--lease-ttl", "30", "--instance-id", "pre-tp")
+    try:
+        prefill.wait_ready()
+        assert await etcd.get(layout.instance("pre-tp")) is not None
+        (rank1,) = rank_children(prefill.proc.pid)
+        os.kill(rank1, signal.SIGKILL)
+        # Gone from etcd at once (the lease is revoked), not after its 30 s TTL.
+        async def gone() -> bool:
+            return await etcd.get(layout.instance("pre-tp")) is None
+        await wait_for(gone, 20)
+        assert await asyncio.get_running_loop().run_in_executor(None, prefill.proc.wait, 20) == 1
+        assert "rank process kvatlas-rank1 exited" in prefill.output()
+    finally:
+        prefill.stop()

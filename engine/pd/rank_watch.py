@@ -1,0 +1,54 @@
+"""Stop the whole instance when one of its local rank processes dies.
+
+Every scheduler step of a TP/DP instance is a collective over all its ranks, so an instance
+that lost a rank can serve nothing, yet its leader would keep its lease and stay in the
+router's pools. The watch notices the death at once (a process sentinel, no polling), asks the
+leader to shut down as on SIGTERM (its lease is revoked, so routers drop it within a second),
+and exits the process if that shutdown is itself stuck on the dead rank.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+
+log = logging.getLogger(__name__)
+
+
+class RankWatch:
+    def __init__(self, children: Sequence[BaseProcess], grace_s: float = 15.0) -> None:
+        self.children = list(children)
+        self.grace_s = grace_s
+        self.dead: BaseProcess | None = None
+        """The first rank process that exited while the instance was serving."""
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.children:
+            self._thread = threading.Thread(target=self._run, name="kvatlas-rank-watch",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """The instance is stopping on purpose: rank exits from now on are expected."""
+        self._stopping.set()
+
+    def _run(self) -> None:
+        by_sentinel = {p.sentinel: p for p in self.children}
+        ready = wait(list(by_sentinel))
+        if self._stopping.is_set():
+            return
+        self.dead = by_sentinel[ready[0]]  # type: ignore[index]
+        log.error("rank process %s exited (code %s): stopping this instance, which cannot "
+                  "serve without it; restart the instance", self.dead.name, self.dead.exitcode)
+        os.kill(os.getpid(), signal.SIGTERM)
+        if self._stopping.wait(self.grace_s):
+            return
+        log.error("the instance did not stop within %.0f s of losing a rank: exiting now",
+                  self.grace_s)
+        os._exit(1)
