@@ -13,7 +13,8 @@ from typing import Any
 
 from bootstrap.config import BootstrapConfig
 from bootstrap.table import Cell, RankEntry, RankTable
-from index.errors import EtcdError
+from index.claim import ensure_id_free
+from index.errors import EtcdError, InstanceIdInUse
 from index.etcd import EtcdClient
 from index.keys import dumps
 from index.lease import LeaseSession, cancel_and_wait
@@ -100,11 +101,19 @@ class RankMirror:
     # --- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Connect and start mirroring; InstanceIdInUse when a live process holds the id."""
         try:
             await self.client.connect()
         except EtcdError as exc:
             # The lease loop connects again by itself; the server serves from memory meanwhile.
             logger.warning("etcd not reachable at start, serving from memory and retrying: %s", exc)
+        else:
+            iid = self.config.instance_id
+            try:
+                await ensure_id_free(self.client, self.layout.instance(iid), iid)
+            except InstanceIdInUse:
+                await self.client.close()
+                raise
         self._tasks = [asyncio.create_task(self.session.run(), name="bootstrap-lease"),
                        asyncio.create_task(self.keys.run(), name="bootstrap-mirror")]
 

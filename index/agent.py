@@ -29,7 +29,8 @@ import zmq
 
 from index.agent_stats import StatsPublisher
 from index.block_index import GPU, BlockIndex
-from index.errors import EtcdError
+from index.claim import ensure_id_free
+from index.errors import EtcdError, InstanceIdInUse
 from index.etcd import EtcdClient, EtcdSettings
 from index.events.ingest import InstanceIngestor
 from index.events.subscriber import KVEventSubscriber, SubscriberConfig
@@ -298,6 +299,14 @@ class IndexAgent:
             # The lease loop keeps trying; events are indexed in memory meanwhile and written
             # by the writer's resync once etcd answers.
             logger.warning("etcd not reachable at start, retrying: %s", exc)
+        else:
+            try:
+                await ensure_id_free(self.client, cfg.layout.instance(cfg.instance_id),
+                                     cfg.instance_id)
+            except InstanceIdInUse:
+                await self.subscriber.close()
+                await self.client.close()
+                raise
         self._tasks = [
             asyncio.create_task(self.session.run(), name="agent-lease"),
             self.writer.start(),

@@ -52,3 +52,15 @@ class LeaseExpired(EtcdError):
 
 class EtcdRequestError(EtcdError):
     """etcd refused the request itself (too many ops in a txn, bad key, quota exceeded)."""
+
+
+class InstanceIdInUse(IndexLayerError):
+    """Another live process holds this instance id's record in etcd."""
+
+    def __init__(self, instance_id: str, lease: int, holder: str) -> None:
+        super().__init__(
+            f"instance id {instance_id!r} is in use by a live process ({holder}, etcd lease "
+            f"{lease:x} still renewed): give this one another --instance-id, or stop that one")
+        self.instance_id = instance_id
+        self.lease = lease
+        self.holder = holder

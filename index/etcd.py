@@ -394,9 +394,13 @@ class EtcdClient:
 
     async def lease_ttl(self, lease_id: int) -> int:
         """Remaining TTL of a lease in seconds, -1 when it does not exist."""
+        return (await self.lease_ttls(lease_id))[0]
+
+    async def lease_ttls(self, lease_id: int) -> tuple[int, int]:
+        """(remaining, granted) TTL of a lease in seconds; remaining is -1 when it is gone."""
         resp = await self._call("lease_ttl", "_lease", "LeaseTimeToLive",
                                 rpc.LeaseTimeToLiveRequest(ID=lease_id))
-        return int(resp.TTL)
+        return int(resp.TTL), int(resp.grantedTTL)
 
     # --- maintenance --------------------------------------------------------------------------
 

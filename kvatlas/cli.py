@@ -8,7 +8,7 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 
-from index.errors import EtcdError
+from index.errors import IndexLayerError
 from kvatlas import commands
 
 
@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (CLIError, EtcdError, ValueError, OSError) as exc:
+    except (CLIError, IndexLayerError, ValueError, OSError) as exc:
         print(f"kvatlas: error: {exc}", file=sys.stderr)
         return 2
 

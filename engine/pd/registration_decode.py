@@ -9,7 +9,8 @@ import time
 
 from engine.pd.config import PDConfig
 from engine.pd.dist import RankInfo
-from index.errors import EtcdError
+from index.claim import ensure_id_free
+from index.errors import EtcdError, InstanceIdInUse
 from index.etcd import EtcdClient
 from index.keys import KeyLayout, dumps
 from index.lease import LeaseSession
@@ -26,7 +27,9 @@ class DecodeRecord:
         self.session = LeaseSession(self.client, cfg.lease_ttl)
         self.keys = LeasedKeys(self.session, [])
         e = cfg.engine
-        self.keys.set(self.layout.instance(cfg.instance_id), dumps({
+        self.instance_id = cfg.instance_id
+        self.key = self.layout.instance(cfg.instance_id)
+        self.keys.set(self.key, dumps({
             "instance_id": cfg.instance_id, "role": "decode", "model": e.model_name,
             "url": f"http://{cfg.public_host}:{e.port}", "tp_size": info.tp_size,
             "page_size": e.page_size, "kv_cache_dtype": cfg.kv_dtype, "ready": True,
@@ -34,10 +37,17 @@ class DecodeRecord:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
+        """Connect and start publishing; InstanceIdInUse when a live process holds the id."""
         try:
             await self.client.connect()
         except EtcdError as exc:
             log.warning("etcd not reachable at start, retrying: %s", exc)
+        else:
+            try:
+                await ensure_id_free(self.client, self.key, self.instance_id)
+            except InstanceIdInUse:
+                await self.client.close()
+                raise
         self._tasks = [asyncio.create_task(self.session.run(), name="decode-lease"),
                        asyncio.create_task(self.keys.run(), name="decode-record")]
 

@@ -105,3 +105,34 @@ def test_cli_errors_are_one_line_exit_2() -> None:
     res = run_cli("bootstrap", "serve", "--instance-id", "bad id!", "--model", "m")
     assert res.returncode == 2 and "instance id" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+async def test_a_second_live_process_with_the_same_id_is_refused(
+        server_process: Callable[..., ServerProcess], etcd: EtcdClient, etcd_endpoint: str,
+        key_prefix: str, layout: KeyLayout) -> None:
+    common = ["--instance-id", "dup", "--model", "m", "--etcd", etcd_endpoint,
+              "--etcd-prefix", key_prefix, "--lease-ttl", str(TTL)]
+    first = await asyncio.to_thread(server_process, *common)
+    await _wait_keys(etcd, layout, "dup", 1, timeout=5)
+    second = ServerProcess(common, free_port())
+    try:
+        assert await asyncio.to_thread(second.proc.wait, 30) == 2
+        out = second.output()
+        assert "kvatlas: error: instance id 'dup' is in use by a live process" in out
+        assert f"127.0.0.1:{first.port}" in out and "Traceback" not in out
+    finally:
+        second.stop()
+    # The first one was left alone: still serving, still the record's holder.
+    record = await etcd.get(layout.instance("dup"))
+    assert record is not None and str(first.port).encode() in record.value
+    # Once it is dead (SIGKILL: its lease is left to expire), a restart takes the id over.
+    first.signal(signal.SIGKILL)
+    await asyncio.to_thread(first.proc.wait, 10)
+    third = await asyncio.to_thread(server_process, *common)
+    deadline = time.monotonic() + 10
+    while True:
+        record = await etcd.get(layout.instance("dup"))
+        if record is not None and str(third.port).encode() in record.value:
+            break
+        assert time.monotonic() < deadline, "the restarted process never took the record"
+        await asyncio.sleep(0.05)

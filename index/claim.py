@@ -1,0 +1,97 @@
+"""Refuse a second live process under an instance id that is taken.
+
+Two processes with one id would overwrite each other's instance record and blocks in etcd, and
+when one of them stops, its lease takes keys the other one wrote along with it. So at start an
+instance looks at its record's key: held under a lease that someone still renews, by a holder
+that still listens at the address its record names, the id is taken. A lease a crashed
+predecessor left behind only counts down, so a restart with the same id goes on after one
+renewal period's look, and its writes then take the keys over.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from urllib.parse import urlsplit
+
+from index.errors import EtcdError, InstanceIdInUse
+from index.etcd import EtcdClient
+
+logger = logging.getLogger(__name__)
+
+SLACK_S = 1.0
+"""Margin over a holder's renewal period (a third of its TTL), and over TTLs whole seconds."""
+
+
+async def ensure_id_free(client: EtcdClient, key: bytes, instance_id: str) -> None:
+    """Raise InstanceIdInUse when ``key`` is held under a lease that is being renewed. Best
+    effort: with etcd unreachable it returns (the instance serves without etcd meanwhile)."""
+    try:
+        kv = await client.get(key)
+        if kv is None or not kv.lease:
+            return
+        remaining, granted = await client.lease_ttls(kv.lease)
+        if remaining <= 0:
+            return
+        window = granted / 3 + SLACK_S
+        logger.info("instance id %s has a record under lease %x (%d s left): checking for "
+                    "%.1f s whether a live process renews it", instance_id, kv.lease, remaining,
+                    window)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.sleep(window)
+        again, _ = await client.lease_ttls(kv.lease)
+        elapsed = loop.time() - started
+    except EtcdError as exc:
+        logger.warning("could not check whether instance id %s is in use: %s", instance_id, exc)
+        return
+    # A lease nobody renews has lost about `elapsed` seconds; a renewed one is back near its TTL.
+    renewed = again > remaining - elapsed + SLACK_S
+    address = _address(kv.value)
+    # The holder's address settles it where the record names one: this process has not bound
+    # its own ports yet, so whatever answers there is the holder (a lease reading alone could
+    # be off when etcd applies a dead holder's last keepalive late).
+    if renewed and (address is None or await _listens(*address)):
+        raise InstanceIdInUse(instance_id, kv.lease, _holder(kv.value))
+    logger.info("instance id %s: its previous holder is gone; taking over", instance_id)
+
+
+def _record(value: bytes) -> dict[str, object]:
+    try:
+        doc = json.loads(value)
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _address(value: bytes) -> tuple[str, int] | None:
+    """Where the record's holder serves: its HTTP url, else its bootstrap server."""
+    doc = _record(value)
+    url = doc.get("url")
+    if isinstance(url, str):
+        parts = urlsplit(url)
+        try:
+            if parts.hostname and parts.port:
+                return parts.hostname, parts.port
+        except ValueError:
+            return None
+    host, port = doc.get("bootstrap_host"), doc.get("bootstrap_port")
+    if isinstance(host, str) and isinstance(port, int) and not isinstance(port, bool):
+        return host, port
+    return None
+
+
+async def _listens(host: str, port: int, timeout: float = 1.0) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+def _holder(value: bytes) -> str:
+    doc = _record(value)
+    role = str(doc.get("role", "instance"))
+    address = _address(value)
+    return f"{role} at {address[0]}:{address[1]}" if address else role
