@@ -274,6 +274,9 @@ async def decode_ctx(app: web.Application) -> AsyncIterator[None]:
     info, dist = ranks.info, ranks.dist
     assert dist is not None
     sched, layout, replica, uplink = await start_group_leader(cfg, info, dist)
+    record = DecodeRecord(cfg, info) if cfg.etcd is not None else None
+    if record is not None:
+        await record.claim()  # before anything runs that a refusal would have to stop
     receiver = create_receiver(cfg.transfer_backend, cfg.transfer, layout, sched.pool.kv)
     await receiver.start()
     client = BootstrapClient(BootstrapClientConfig(auth_token=cfg.auth_token))
@@ -282,7 +285,6 @@ async def decode_ctx(app: web.Application) -> AsyncIterator[None]:
     ds = DecodeState(cfg, ranks, engine, replica, DecodeRank(cfg, info, receiver, client),
                      uplink, RoomLog(cfg.room_log_keep, cfg.room_log_ttl_s))
     app[DECODE_KEY] = ds
-    record = DecodeRecord(cfg, info) if cfg.etcd is not None else None
     with tempfile.TemporaryDirectory(prefix="kvatlas-decode-") as run_dir:
         model_path = mono.prepare_model_path(cfg.engine, cfg.engine.model_config, run_dir)
         app[STATE_KEY] = EngineState(cfg.engine, cfg.engine.model_config, engine,

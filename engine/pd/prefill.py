@@ -218,7 +218,6 @@ async def prefill_ctx(app: web.Application) -> AsyncIterator[None]:
     sender = create_sender(cfg.transfer_backend, cfg.transfer, layout,
                            TensorPageSource(sched.pool.kv, layout), host=cfg.engine.host)
     await sender.start()
-    session = aiohttp.ClientSession()
     bport = ranks.bootstrap_port or cfg.bootstrap_port
     boot_runner = feed = writer = None
     subs: list[KVEventSubscriber] = []
@@ -245,6 +244,9 @@ async def prefill_ctx(app: web.Application) -> AsyncIterator[None]:
             feed.start()
             subs = await subscribe_dp_groups(cfg, ranks, union, bcfg.instance_id)
     sink = feed.sink if feed else None
+    # Made after the bootstrap server is up: a start it refuses (a port in use, an instance id
+    # in use) leaves no session unclosed.
+    session = aiohttp.ClientSession()
     publisher = None
     if info.dp_rank > 0 and len(ranks.event_endpoints) > info.dp_rank:
         publisher = KVEventPublisher(PublisherConfig(

@@ -36,18 +36,21 @@ class DecodeRecord:
             "started_at": time.time()}))
         self._tasks: list[asyncio.Task[None]] = []
 
-    async def start(self) -> None:
-        """Connect and start publishing; InstanceIdInUse when a live process holds the id."""
+    async def claim(self) -> None:
+        """Connect; InstanceIdInUse when a live process holds the id (etcd away: go on)."""
         try:
             await self.client.connect()
         except EtcdError as exc:
             log.warning("etcd not reachable at start, retrying: %s", exc)
-        else:
-            try:
-                await ensure_id_free(self.client, self.key, self.instance_id)
-            except InstanceIdInUse:
-                await self.client.close()
-                raise
+            return
+        try:
+            await ensure_id_free(self.client, self.key, self.instance_id)
+        except InstanceIdInUse:
+            await self.client.close()
+            raise
+
+    async def start(self) -> None:
+        """Publish the record (after ``claim``) and keep it under the lease."""
         self._tasks = [asyncio.create_task(self.session.run(), name="decode-lease"),
                        asyncio.create_task(self.keys.run(), name="decode-record")]
 
