@@ -13,6 +13,9 @@ ADMIN_TOKEN_ENV = "KVATLAS_ADMIN_TOKEN"
 """Where ``--admin-token`` is read from when not given."""
 
 POLICIES = ("kv_aware", "round_robin", "random", "power_of_two")
+POLICY_ALIASES = {"cache_aware": "kv_aware"}
+"""sglang-router's names, accepted so that its command lines work unchanged: its cache_aware
+(an approximate per-router text tree) maps to kv_aware (the global block index)."""
 MAX_PORT = 65535
 
 
@@ -137,7 +140,8 @@ class RouterConfig:
         if self.model is not None:
             validate_model(self.model)
         for name in ("policy", "prefill_policy", "decode_policy"):
-            value = getattr(self, name)
+            value = POLICY_ALIASES.get(getattr(self, name), getattr(self, name))
+            setattr(self, name, value)
             if value is not None and value not in POLICIES:
                 raise ValueError(f"{name} {value!r} is unknown: use one of {', '.join(POLICIES)}")
         self.prefill = [(check_url(u), parse_bootstrap_port(p)) for u, p in self.prefill]
@@ -192,11 +196,12 @@ class RouterConfig:
         parser.add_argument("--host", default=d.host, help=f"listen address (default {d.host})")
         parser.add_argument("--port", type=int, default=d.port, help=f"port (default {d.port})")
         parser.add_argument("--model", default=None, help="served model name (default: any)")
-        parser.add_argument("--policy", default=d.policy, choices=POLICIES,
+        choices = [*POLICIES, *POLICY_ALIASES]
+        parser.add_argument("--policy", default=d.policy, choices=choices,
                             help="policy for both sides (default kv_aware; decode uses "
-                                 "power_of_two then)")
-        parser.add_argument("--prefill-policy", default=None, choices=POLICIES)
-        parser.add_argument("--decode-policy", default=None, choices=POLICIES)
+                                 "power_of_two then; cache_aware means kv_aware)")
+        parser.add_argument("--prefill-policy", default=None, choices=choices)
+        parser.add_argument("--decode-policy", default=None, choices=choices)
         parser.add_argument("--prefill", nargs="+", action="append", default=[],
                             metavar="URL [BOOTSTRAP_PORT|none]",
                             help="static prefill worker, repeatable")
@@ -207,7 +212,8 @@ class RouterConfig:
         parser.add_argument("--admin-token", default=None,
                             help=f"token for POST/DELETE /workers (default: ${ADMIN_TOKEN_ENV}, "
                                  "which keeps it out of ps; neither: admin disabled)")
-        parser.add_argument("--max-body", type=int, default=d.max_body, help="bytes (413 above)")
+        parser.add_argument("--max-body", "--max-payload-size", type=int, dest="max_body",
+                            default=d.max_body, help="bytes (413 above)")
         parser.add_argument("--block-size", type=int, default=d.block_size,
                             help="tokens per KV block (the engines' page size)")
         parser.add_argument("--overlap-weight", type=float, default=d.overlap_weight)
@@ -232,6 +238,17 @@ class RouterConfig:
                             help="attempts in all (default 5)")
         parser.add_argument("--retry-initial-backoff-ms", type=float,
                             default=d.retry_initial_backoff * 1000)
+        parser.add_argument("--retry-max-backoff-ms", type=float,
+                            default=d.retry_max_backoff * 1000)
+        parser.add_argument("--retry-backoff-multiplier", type=float,
+                            default=d.retry_backoff_multiplier)
+        parser.add_argument("--retry-jitter-factor", type=float, default=d.retry_jitter)
+        parser.add_argument("--disable-retries", action="store_true",
+                            help="one attempt per request (as --retry-max-retries 1)")
+        parser.add_argument("--health-failure-threshold", type=int,
+                            default=d.health_failure_threshold)
+        parser.add_argument("--health-success-threshold", type=int,
+                            default=d.health_success_threshold)
         parser.add_argument("--request-timeout-secs", type=float, default=d.request_timeout)
         parser.add_argument("--client-read-timeout-secs", type=float,
                             default=d.client_read_timeout,
@@ -262,8 +279,13 @@ class RouterConfig:
             breaker_failure_threshold=args.cb_failure_threshold,
             breaker_success_threshold=args.cb_success_threshold,
             breaker_timeout=args.cb_timeout_duration_secs,
-            retry_max_attempts=args.retry_max_retries,
+            retry_max_attempts=1 if args.disable_retries else args.retry_max_retries,
             retry_initial_backoff=args.retry_initial_backoff_ms / 1000,
+            retry_max_backoff=args.retry_max_backoff_ms / 1000,
+            retry_backoff_multiplier=args.retry_backoff_multiplier,
+            retry_jitter=args.retry_jitter_factor,
+            health_failure_threshold=args.health_failure_threshold,
+            health_success_threshold=args.health_success_threshold,
             request_timeout=args.request_timeout_secs,
             client_read_timeout=args.client_read_timeout_secs, uvloop=not args.no_uvloop,
         )

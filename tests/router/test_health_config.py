@@ -64,6 +64,30 @@ def test_cli_mirrors_sglang_router_flags() -> None:
     assert parse(["--client-read-timeout-secs", "5"]).client_read_timeout == 5.0
 
 
+def test_an_sglang_router_command_line_works_unchanged() -> None:
+    cfg = parse(["--pd-disaggregation", "--prefill", "http://127.0.0.1:30000", "8998",
+                 "--decode", "http://127.0.0.1:30010", "--policy", "cache_aware",
+                 "--max-payload-size", "1048576", "--retry-max-retries", "3",
+                 "--retry-initial-backoff-ms", "100", "--retry-max-backoff-ms", "2000",
+                 "--retry-backoff-multiplier", "2", "--retry-jitter-factor", "0.1",
+                 "--cb-failure-threshold", "4", "--cb-success-threshold", "2",
+                 "--cb-timeout-duration-secs", "30", "--health-failure-threshold", "5",
+                 "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
+                 "--health-check-interval-secs", "10", "--request-timeout-secs", "600"])
+    # cache_aware (sglang-router's per-router text tree) becomes the global-index kv_aware.
+    assert cfg.policy == "kv_aware" and cfg.effective_prefill_policy == "kv_aware"
+    assert cfg.effective_decode_policy == "power_of_two"
+    assert cfg.max_body == 1 << 20 and cfg.retry_max_attempts == 3
+    assert (cfg.retry_initial_backoff, cfg.retry_max_backoff, cfg.retry_backoff_multiplier,
+            cfg.retry_jitter) == (0.1, 2.0, 2.0, 0.1)
+    assert (cfg.breaker_failure_threshold, cfg.breaker_success_threshold,
+            cfg.breaker_timeout) == (4, 2, 30.0)
+    assert (cfg.health_failure_threshold, cfg.health_success_threshold, cfg.health_timeout,
+            cfg.health_interval, cfg.request_timeout) == (5, 1, 2.0, 10.0, 600.0)
+    assert parse(["--prefill-policy", "cache_aware"]).effective_prefill_policy == "kv_aware"
+    assert parse(["--disable-retries"]).retry_max_attempts == 1
+
+
 @pytest.mark.parametrize(("kwargs", "needle"), [
     ({"policy": "magic"}, "policy"),
     ({"prefill": [("localhost:80", None)]}, "http://HOST:PORT"),
