@@ -24,8 +24,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         prog="kvatlas",
         description="Control plane and KV data plane for PD-disaggregated LLM serving.",
     )
-    parser.add_argument("--log-level", default="WARNING",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
+    parser.add_argument("--log-level", default="WARNING", type=_log_level,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="logging level (also accepted after the command, in any case)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     names = sorted(m.name for m in pkgutil.iter_modules(commands.__path__)
                    if not m.name.startswith("_"))
@@ -51,8 +52,25 @@ def _command_of(args: Sequence[str]) -> str | None:
     return None
 
 
+def _log_level(text: str) -> str:
+    """``--log-level`` as the logging module names it (sglang's lower-case ``warn`` too)."""
+    level = text.upper()
+    return "WARNING" if level == "WARN" else level
+
+
+def _hoist_log_level(argv: list[str]) -> list[str]:
+    """``argv`` with a ``--log-level`` given after the command moved before it, where the
+    parser takes it: a command line copied from sglang-router puts it there."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--log-level="):
+            return [arg, *argv[:i], *argv[i + 1:]]
+        if arg == "--log-level" and i + 1 < len(argv):
+            return [arg, argv[i + 1], *argv[:i], *argv[i + 2:]]
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = _hoist_log_level(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level,
