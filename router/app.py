@@ -43,8 +43,12 @@ class RouterApp:
                                  read_timeout=config.client_read_timeout,
                                  limit_hint=" (router --max-body)", on_reject=self._rejected)
         self.port: int | None = None
+        self.metrics_server: HttpServer | None = None
+        """The separate ``/metrics`` listener, with ``--prometheus-port``."""
+        self.metrics_port: int | None = None
         self._stack = contextlib.AsyncExitStack()
         svc = Services(self.state, self.dispatcher)
+        self._metrics = functools.partial(handlers.metrics, svc)
         self.routes: dict[str, dict[str, Route]] = {}
         for method, path, handler in (
                 ("POST", "/generate", handlers.generate),
@@ -84,6 +88,12 @@ class RouterApp:
         m.child(m.requests, route, str(status)).inc()
         return answer
 
+    async def handle_metrics_port(self, request: Request) -> Response | Stream:
+        if request.path == "/metrics" and request.method == "GET":
+            return await self._metrics(request)
+        return json_error(404, f"only GET /metrics is served here, not {request.method} "
+                               f"{request.path!r}")
+
     def _rejected(self, status: int) -> None:
         m = self.state.metrics
         m.child(m.requests, "rejected", str(status)).inc()
@@ -96,12 +106,19 @@ class RouterApp:
             await self._stack.enter_async_context(self._health_ctx())
             self.port = await self.server.start(host or self.config.host,
                                                 self.config.port if port is None else port)
+            if self.config.prometheus_port is not None:
+                self.metrics_server = HttpServer(self.handle_metrics_port, max_body=1024)
+                self.metrics_port = await self.metrics_server.start(
+                    self.config.prometheus_host, self.config.prometheus_port)
         except BaseException:
+            await self.server.close()
             await self._stack.aclose()
             raise
         return self.port
 
     async def close(self) -> None:
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
         await self.server.close()
         await self._stack.aclose()
 
@@ -175,7 +192,9 @@ async def serve(config: RouterConfig) -> None:
     await app.start()
     print(f"kvatlas router listening on http://{config.host}:{app.port} (prefill policy "
           f"{config.effective_prefill_policy}, decode policy "
-          f"{config.effective_decode_policy})", flush=True)
+          f"{config.effective_decode_policy})"
+          + (f"; metrics also on http://{config.prometheus_host}:{app.metrics_port}/metrics"
+             if app.metrics_port is not None else ""), flush=True)
     # Everything alive now lives as long as the process: keep it out of every GC pass.
     gc.freeze()
     try:

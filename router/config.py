@@ -130,12 +130,20 @@ class RouterConfig:
     """Seconds to connect to an upstream."""
     max_connections: int = 2048
     """Upstream connection pool size."""
+    prometheus_port: int | None = None
+    """Also serve ``/metrics`` on this port (sglang-router's separate metrics port); None: on
+    the main port only."""
+    prometheus_host: str = "127.0.0.1"
+    """Address of the ``prometheus_port`` listener."""
     uvloop: bool = True
     """Run on uvloop when it is installed (the CLI's --no-uvloop turns it off)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= MAX_PORT:
             raise ValueError(f"port must be within [0, {MAX_PORT}], got {self.port}")
+        if self.prometheus_port is not None and not 0 <= self.prometheus_port <= MAX_PORT:
+            raise ValueError(f"prometheus port must be within [0, {MAX_PORT}], got "
+                             f"{self.prometheus_port}")
         KeyLayout(prefix=self.etcd_prefix)
         if self.model is not None:
             validate_model(self.model)
@@ -253,6 +261,11 @@ class RouterConfig:
         parser.add_argument("--client-read-timeout-secs", type=float,
                             default=d.client_read_timeout,
                             help="seconds a client has to send a whole request (408 after)")
+        parser.add_argument("--prometheus-port", type=int, default=None,
+                            help="also serve /metrics on this port (default: main port only)")
+        parser.add_argument("--prometheus-host", default=d.prometheus_host,
+                            help=f"address of the --prometheus-port listener "
+                                 f"(default {d.prometheus_host})")
         parser.add_argument("--no-uvloop", action="store_true",
                             help="use the asyncio event loop even when uvloop is installed")
 
@@ -287,5 +300,7 @@ class RouterConfig:
             health_failure_threshold=args.health_failure_threshold,
             health_success_threshold=args.health_success_threshold,
             request_timeout=args.request_timeout_secs,
-            client_read_timeout=args.client_read_timeout_secs, uvloop=not args.no_uvloop,
+            client_read_timeout=args.client_read_timeout_secs,
+            prometheus_port=args.prometheus_port, prometheus_host=args.prometheus_host,
+            uvloop=not args.no_uvloop,
         )

@@ -73,7 +73,8 @@ def test_an_sglang_router_command_line_works_unchanged() -> None:
                  "--cb-failure-threshold", "4", "--cb-success-threshold", "2",
                  "--cb-timeout-duration-secs", "30", "--health-failure-threshold", "5",
                  "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
-                 "--health-check-interval-secs", "10", "--request-timeout-secs", "600"])
+                 "--health-check-interval-secs", "10", "--request-timeout-secs", "600",
+                 "--prometheus-port", "29000"])
     # cache_aware (sglang-router's per-router text tree) becomes the global-index kv_aware.
     assert cfg.policy == "kv_aware" and cfg.effective_prefill_policy == "kv_aware"
     assert cfg.effective_decode_policy == "power_of_two"
@@ -86,6 +87,7 @@ def test_an_sglang_router_command_line_works_unchanged() -> None:
             cfg.health_interval, cfg.request_timeout) == (5, 1, 2.0, 10.0, 600.0)
     assert parse(["--prefill-policy", "cache_aware"]).effective_prefill_policy == "kv_aware"
     assert parse(["--disable-retries"]).retry_max_attempts == 1
+    assert (cfg.prometheus_host, cfg.prometheus_port) == ("127.0.0.1", 29000)
 
 
 @pytest.mark.parametrize(("kwargs", "needle"), [
@@ -97,6 +99,7 @@ def test_an_sglang_router_command_line_works_unchanged() -> None:
     ({"max_body": 0}, "max_body"),
     ({"retry_jitter": 1.5}, "retry_jitter"),
     ({"client_read_timeout": 0}, "client_read_timeout must be > 0"),
+    ({"prometheus_port": 70000}, "prometheus port"),
     ({"etcd_prefix": "nope"}, "prefix"),
 ])
 def test_config_rejects_bad_values(kwargs: dict[str, Any], needle: str) -> None:

@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from typing import Any
 
+import aiohttp
+import pytest
+
+from router.app import create_app
 from router.requests import MAX_ROOM
+from router_stubs import router_config
 
 
 async def test_generate_goes_to_both_with_injected_bootstrap(stubs: Any, make_router: Any) -> None:
@@ -250,3 +256,35 @@ async def test_loads_return_to_zero_after_concurrent_mixed_traffic(stubs: Any,
     await asyncio.sleep(0.1)  # background prefill answers of streamed requests
     workers = await (await client.get("/workers")).json()
     assert [w["load"] for role in ("prefill", "decode") for w in workers[role]] == [0, 0, 0, 0]
+
+
+async def test_metrics_on_a_separate_port_as_sglang_router_serves_them(
+        stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d], model="tiny", prometheus_port=0)
+    port = client.app.metrics_port
+    assert port is not None and port != client.app.port
+    assert (await client.post("/generate", json={"text": "counted"})).status == 200
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+            text = await r.text()
+            assert r.status == 200
+        assert 'kvatlas_router_requests_total{route="/generate",status="200"} 1.0' in text
+        # Only the metrics: the router's API stays on its own port.
+        async with s.post(f"http://127.0.0.1:{port}/generate", json={"text": "x"}) as r:
+            assert r.status == 404 and "only GET /metrics" in (await r.json())["error"]
+    assert len(p.bodies) == 1
+
+
+async def test_a_metrics_port_in_use_fails_the_start_and_frees_the_main_port(
+        stubs: Any, start_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        app = create_app(router_config([p], [d], prometheus_port=busy.getsockname()[1]))
+        with pytest.raises(OSError):
+            await app.start("127.0.0.1", 0)
+    assert app.port is not None
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", app.port))  # released: nothing listens there any more
