@@ -158,6 +158,9 @@ class RouterApp:
 
     @contextlib.asynccontextmanager
     async def _health_ctx(self) -> AsyncIterator[None]:
+        if not self.config.health_check_enabled:
+            yield
+            return
         task = asyncio.create_task(self.health.run(), name="router-health")
         try:
             yield

@@ -15,7 +15,10 @@ class CircuitBreaker:
     any failure in half_open reopens it. 4xx responses are the caller's to count as success."""
 
     def __init__(self, failure_threshold: int = 10, success_threshold: int = 3,
-                 timeout: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 timeout: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 enabled: bool = True) -> None:
+        self.enabled = enabled
+        """False: never opens (sglang-router's --disable-circuit-breaker)."""
         self.failure_threshold = failure_threshold
         self.success_threshold = success_threshold
         self.timeout = timeout
@@ -48,6 +51,8 @@ class CircuitBreaker:
                 self.successes = 0
 
     def record_failure(self) -> None:
+        if not self.enabled:
+            return
         state = self.state
         if state == HALF_OPEN:
             self._open()

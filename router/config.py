@@ -99,6 +99,8 @@ class RouterConfig:
     """Bound on predicted (instance, block) entries; the oldest go first past it."""
     health_interval: float = 5.0
     """Seconds between health checks of each worker."""
+    health_check_enabled: bool = True
+    """False: no health checks; workers count as healthy while registered."""
     health_timeout: float = 5.0
     """Seconds a health check may take."""
     health_failure_threshold: int = 3
@@ -111,6 +113,8 @@ class RouterConfig:
     """Successes in half-open that close it."""
     breaker_timeout: float = 60.0
     """Seconds an open circuit waits before going half-open."""
+    breaker_enabled: bool = True
+    """False: circuits never open (a failed attempt is still retried on another pair)."""
     retry_max_attempts: int = 5
     """Attempts in all (1: no retries)."""
     retry_initial_backoff: float = 0.05
@@ -242,6 +246,10 @@ class RouterConfig:
         parser.add_argument("--cb-success-threshold", type=int,
                             default=d.breaker_success_threshold)
         parser.add_argument("--cb-timeout-duration-secs", type=float, default=d.breaker_timeout)
+        parser.add_argument("--disable-circuit-breaker", action="store_true",
+                            help="circuits never open")
+        parser.add_argument("--disable-health-check", action="store_true",
+                            help="no health checks: registered workers count as healthy")
         parser.add_argument("--retry-max-retries", type=int, default=d.retry_max_attempts,
                             help="attempts in all (default 5)")
         parser.add_argument("--retry-initial-backoff-ms", type=float,
@@ -292,6 +300,8 @@ class RouterConfig:
             breaker_failure_threshold=args.cb_failure_threshold,
             breaker_success_threshold=args.cb_success_threshold,
             breaker_timeout=args.cb_timeout_duration_secs,
+            breaker_enabled=not args.disable_circuit_breaker,
+            health_check_enabled=not args.disable_health_check,
             retry_max_attempts=1 if args.disable_retries else args.retry_max_retries,
             retry_initial_backoff=args.retry_initial_backoff_ms / 1000,
             retry_max_backoff=args.retry_max_backoff_ms / 1000,

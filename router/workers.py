@@ -124,7 +124,7 @@ class WorkerPools:
     def new_breaker(self) -> CircuitBreaker:
         c = self.config
         return CircuitBreaker(c.breaker_failure_threshold, c.breaker_success_threshold,
-                              c.breaker_timeout)
+                              c.breaker_timeout, enabled=c.breaker_enabled)
 
     def pool(self, role: str) -> list[Worker]:
         return list(self.workers[role].values())

@@ -54,3 +54,10 @@ def test_failure_in_half_open_reopens() -> None:
     assert not b.allow()
     clock.t += 1
     assert b.allow()
+
+
+def test_a_disabled_breaker_never_opens() -> None:
+    b = CircuitBreaker(2, 3, 60.0, Clock(), enabled=False)
+    for _ in range(50):
+        b.record_failure()
+    assert b.state == CLOSED and b.allow()

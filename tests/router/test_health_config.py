@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 from typing import Any
 
 import pytest
@@ -35,6 +36,17 @@ async def test_health_checks_mark_unhealthy_and_back(stubs: Any, start_router: A
     assert (await client.get("/readiness")).status == 503  # one success is not enough
     await checker.check_all()
     assert (await client.get("/readiness")).status == 200
+
+
+async def test_without_health_checks_workers_stay_healthy(stubs: Any, start_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    d.health_status = 503
+    cfg = RouterConfig(prefill=[(p.url, None)], decode=[d.url], health_interval=0.05,
+                       health_failure_threshold=1, health_check_enabled=False)
+    client = await start_router(cfg)
+    await asyncio.sleep(0.3)  # several intervals: no round ran
+    assert client.app.health.rounds == 0
+    assert (await client.post("/generate", json={"text": "x"})).status == 200
 
 
 def parse(argv: list[str]) -> RouterConfig:
@@ -74,7 +86,8 @@ def test_an_sglang_router_command_line_works_unchanged() -> None:
                  "--cb-timeout-duration-secs", "30", "--health-failure-threshold", "5",
                  "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
                  "--health-check-interval-secs", "10", "--request-timeout-secs", "600",
-                 "--prometheus-port", "29000"])
+                 "--prometheus-port", "29000", "--disable-circuit-breaker",
+                 "--disable-health-check"])
     # cache_aware (sglang-router's per-router text tree) becomes the global-index kv_aware.
     assert cfg.policy == "kv_aware" and cfg.effective_prefill_policy == "kv_aware"
     assert cfg.effective_decode_policy == "power_of_two"
@@ -88,6 +101,8 @@ def test_an_sglang_router_command_line_works_unchanged() -> None:
     assert parse(["--prefill-policy", "cache_aware"]).effective_prefill_policy == "kv_aware"
     assert parse(["--disable-retries"]).retry_max_attempts == 1
     assert (cfg.prometheus_host, cfg.prometheus_port) == ("127.0.0.1", 29000)
+    assert not cfg.breaker_enabled and not cfg.health_check_enabled
+    assert parse([]).breaker_enabled and parse([]).health_check_enabled
 
 
 @pytest.mark.parametrize(("kwargs", "needle"), [
