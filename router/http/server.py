@@ -30,6 +30,8 @@ from router.http.headers import header_name
 logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 << 10
+LINGER_S = 2.0
+"""How long a refused connection is drained after its error answer before it is closed."""
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
 
 
@@ -354,9 +356,27 @@ class HttpProtocol(asyncio.Protocol):
                 raise ConnectionResetError("client went away")
 
     def close(self) -> None:
-        if not self.closing and self.transport is not None:
+        # Also ends a lingering close at once (closing is already set then).
+        if self.transport is not None and not self.transport.is_closing():
             self.closing = True
             self.transport.close()
+
+    def _linger(self) -> None:
+        """Half-close, then drain what the client still sends for a while before closing.
+
+        Closing with unread input makes the kernel send a reset, which can destroy the error
+        answer before the client reads it; a client still sending its body or headers is
+        exactly that case (the "lingering close" of RFC 9112, 9.6)."""
+        transport = self.transport
+        self.closing = True  # from here on, data_received discards
+        self.receiving_since = None
+        if transport is None:
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+            self.loop.call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
 
     def _too_large(self) -> None:
         limit = self.server.max_body
@@ -368,7 +388,7 @@ class HttpProtocol(asyncio.Protocol):
             return
         body = json.dumps({"error": message}).encode()
         self.write(_head(status, "application/json", len(body), None, True) + body)
-        self.close()
+        self._linger()
         if self.server.on_reject is not None:
             self.server.on_reject(status)
 

@@ -108,6 +108,21 @@ async def test_content_length_over_limit_is_413_and_closed(serve: Started) -> No
     writer.close()
 
 
+async def test_a_refused_body_still_sending_gets_its_answer(serve: Started) -> None:
+    """The client keeps sending the body after the 413: the server drains it while it
+    lingers, so no reset destroys the answer before the client reads it."""
+    _, port = await serve(echo, max_body=1000)
+    for _ in range(10):
+        reader, writer = await connect(port)
+        writer.write(b"POST /big HTTP/1.1\r\nhost: x\r\ncontent-length: 4000000\r\n\r\n")
+        for _ in range(8):
+            writer.write(b"z" * 100_000)
+            await asyncio.sleep(0)
+        status, _, body = await read_response(reader)
+        assert status == 413 and "1000 bytes" in json.loads(body)["error"]
+        writer.close()
+
+
 async def test_chunked_body_over_limit_is_413(serve: Started) -> None:
     called = []
 
