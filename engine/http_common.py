@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,10 +110,16 @@ async def until_disconnected(request: web.Request, aw: Awaitable[Any]) -> Any:
 # -- generation helpers ------------------------------------------------------------------------
 async def collect(st: EngineState, gi: GenInput) -> tuple[list[int], str, RequestOutput]:
     """Run one request to the end; returns (output ids, text, last output)."""
+    return await collect_outputs(st.engine.generate(gi.prompt, gi.params, gi.rid))
+
+
+async def collect_outputs(outputs: AsyncIterator[RequestOutput]
+                          ) -> tuple[list[int], str, RequestOutput]:
+    """Consume a request's outputs to the end; returns (output ids, text, last output)."""
     ids: list[int] = []
     text: list[str] = []
     last: RequestOutput | None = None
-    async with contextlib.aclosing(st.engine.generate(gi.prompt, gi.params, gi.rid)) as gen:
+    async with contextlib.aclosing(outputs) as gen:
         async for out in gen:
             ids.extend(out.new_ids)
             text.append(out.text_delta)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
-from engine.http_common import (EngineState, check_fits, collect, read_body, sse_response,
-                                sse_send, state, until_disconnected)
-from engine.protocol import GenInput, include_usage, parse_chat, parse_completion
+from engine.http_common import (check_fits, collect_outputs, read_body, sse_response, sse_send,
+                                state, until_disconnected)
+from engine.protocol import include_usage, parse_chat, parse_completion
 from engine.scheduler import RequestOutput
 
 
@@ -31,31 +32,37 @@ def usage(out: RequestOutput) -> dict[str, Any]:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    st = state(request)
-    body = await read_body(request)
-    gi, stream = parse_completion(body, st.model)
-    check_fits(st, gi)
-    return await _run(request, st, gi, stream, include_usage(body) if stream else False,
-                      chat=False)
+    return await _serve(request, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, chat=True)
+
+
+async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     st = state(request)
     body = await read_body(request)
-    gi, stream = parse_chat(body, st.model)
+    gi, stream = (parse_chat if chat else parse_completion)(body, st.model)
     check_fits(st, gi)
-    return await _run(request, st, gi, stream, include_usage(body) if stream else False,
-                      chat=True)
+    rid = gi.rid = openai_rid(chat)
+    return await respond(request, st.engine.generate(gi.prompt, gi.params, rid), rid=rid,
+                         model=st.config.model_name, stream=stream,
+                         with_usage=include_usage(body) if stream else False, chat=chat)
 
 
-async def _run(request: web.Request, st: EngineState, gi: GenInput, stream: bool,
-               with_usage: bool, chat: bool) -> web.StreamResponse:
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    gi.rid = rid
-    base = {"id": rid, "created": int(time.time()), "model": st.config.model_name}
+def openai_rid(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+async def respond(request: web.Request, outputs: AsyncIterator[RequestOutput], *,
+                  rid: str, model: str, stream: bool, with_usage: bool, chat: bool
+                  ) -> web.StreamResponse:
+    """An OpenAI answer (one JSON object, or an SSE stream) from a request's ``outputs``,
+    whichever engine path makes them: the monolithic engine's, or a PD decode's."""
+    base = {"id": rid, "created": int(time.time()), "model": model}
     if stream:
-        return await _stream(request, st, gi, base, with_usage, chat)
-    ids, text, out = await until_disconnected(request, collect(st, gi))
+        return await _stream(request, outputs, base, with_usage, chat)
+    ids, text, out = await until_disconnected(request, collect_outputs(outputs))
     if chat:
         choice: dict[str, Any] = {"index": 0,
                                   "message": {"role": "assistant", "content": text},
@@ -69,8 +76,8 @@ async def _run(request: web.Request, st: EngineState, gi: GenInput, stream: bool
     return web.json_response({**base, "object": obj, "choices": [choice], "usage": usage(out)})
 
 
-async def _stream(request: web.Request, st: EngineState, gi: GenInput, base: dict[str, Any],
-                  with_usage: bool, chat: bool) -> web.StreamResponse:
+async def _stream(request: web.Request, outputs: AsyncIterator[RequestOutput],
+                  base: dict[str, Any], with_usage: bool, chat: bool) -> web.StreamResponse:
     resp = await sse_response(request)
     obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -85,7 +92,7 @@ async def _stream(request: web.Request, st: EngineState, gi: GenInput, base: dic
     if chat:
         await sse_send(resp, chunk({"role": "assistant", "content": ""}, None))
     last: RequestOutput | None = None
-    async with contextlib.aclosing(st.engine.generate(gi.prompt, gi.params, gi.rid)) as gen:
+    async with contextlib.aclosing(outputs) as gen:
         async for out in gen:
             last = out
             if out.error:

@@ -1,4 +1,7 @@
-"""A PD ``/generate`` as items: one for a single prompt, one per prompt for a batch.
+"""A PD request as items: one per prompt, each with its own bootstrap room.
+
+A ``/generate`` carries one prompt or a batch; an OpenAI request (``/v1/completions``,
+``/v1/chat/completions``) carries one prompt, as on SGLang's PD servers.
 
 SGLang's router sends a batch to both halves with a list of ``bootstrap_room`` (and of host and
 port, or one of each), one per prompt. A room binds one KV transfer, so each prompt is served
@@ -19,7 +22,8 @@ from aiohttp import web
 from engine.errors import BadRequest, CapacityError
 from engine.http_common import read_body, state
 from engine.pd.common import Bootstrap, bootstrap_fields, json_error
-from engine.protocol import GenInput, parse_generate
+from engine.protocol import (GenInput, include_usage, parse_chat, parse_completion,
+                             parse_generate)
 
 PER_ITEM = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")
 
@@ -50,6 +54,14 @@ async def read_pd_items(request: web.Request) -> tuple[list[PDItem], bool]:
         except BadRequest as exc:
             raise BadRequest(f"batch item {i}: {exc.field}", exc.reason) from None
     return items, True
+
+
+async def read_openai_item(request: web.Request, chat: bool) -> tuple[PDItem, bool]:
+    """(the item, whether its stream wants a usage chunk) of a PD OpenAI request."""
+    body = await read_body(request)
+    boot = bootstrap_fields(body)
+    gen, stream = (parse_chat if chat else parse_completion)(body, state(request).model)
+    return PDItem(body, boot, gen, stream), include_usage(body) if stream else False
 
 
 def split_batch(body: dict[str, Any]) -> list[dict[str, Any]] | None:

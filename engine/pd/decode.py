@@ -17,18 +17,19 @@ import logging
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from bootstrap.client import BootstrapClient, BootstrapClientConfig
+from engine import openai_api
 from engine import server as mono
 from engine.errors import BadRequest
 from engine.http_common import STATE_KEY, EngineState, sse_response, sse_send
 from engine.metrics import make_registry
-from engine.pd.batch import PDItem, answer_batch, read_pd_items
+from engine.pd.batch import PDItem, answer_batch, read_openai_item, read_pd_items
 from engine.pd.common import Bootstrap, json_error, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.fetch import DecodeRank, FetchError
@@ -61,26 +62,67 @@ class DecodeState:
 DECODE_KEY = web.AppKey("pd_decode", DecodeState)
 
 
+Answer = Callable[[Request, list[int], ReceiveResult, float], Awaitable[web.StreamResponse]]
+"""Writes a request's answer once its KV arrived: (request, its pages, the transfer's result,
+start time) -> response. /generate's and OpenAI's differ only here."""
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     ds = request.app[DECODE_KEY]
     items, batch = await read_pd_items(request)
     for item in items:  # all refused before any room opens
-        ds.engine.scheduler.check_fits(len(item.gen.prompt), item.gen.params.max_new_tokens)
-        if ds.rooms.get(item.boot.room) is not None:
-            raise BadRequest("bootstrap_room", f"room {item.boot.room} was already used on this "
-                             "decode; the router must draw a new room for every attempt")
+        check_item(ds, item)
     if not batch:
         return await decode_item(request, ds, items[0])
     return await answer_batch([decode_item(request, ds, item) for item in items])
 
 
-async def decode_item(request: web.Request, ds: DecodeState, item: PDItem
-                      ) -> web.StreamResponse:
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await serve_openai(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await serve_openai(request, chat=True)
+
+
+async def serve_openai(request: web.Request, chat: bool) -> web.StreamResponse:
+    """An OpenAI request of the pair: the decode answers it in OpenAI's shape."""
+    ds = request.app[DECODE_KEY]
+    item, with_usage = await read_openai_item(request, chat)
+    check_item(ds, item)
+    item.gen.rid = item.gen.rid or openai_api.openai_rid(chat)
+
+    async def answer(req: Request, pages: list[int], result: ReceiveResult,
+                     started: float) -> web.StreamResponse:
+        outputs = ds.engine.generate_prefilled(req, pages, result.first_token)
+        return await openai_api.respond(request, outputs, rid=req.rid,
+                                        model=ds.cfg.engine.model_name, stream=item.stream,
+                                        with_usage=with_usage, chat=chat)
+
+    return await decode_item(request, ds, item, answer)
+
+
+def check_item(ds: DecodeState, item: PDItem) -> None:
+    """Refuse an item that can never fit or whose room this decode has already used."""
+    ds.engine.scheduler.check_fits(len(item.gen.prompt), item.gen.params.max_new_tokens)
+    if ds.rooms.get(item.boot.room) is not None:
+        raise BadRequest("bootstrap_room", f"room {item.boot.room} was already used on this "
+                         "decode; the router must draw a new room for every attempt")
+
+
+async def decode_item(request: web.Request, ds: DecodeState, item: PDItem,
+                      answer: Answer | None = None) -> web.StreamResponse:
     gi, boot = item.gen, item.boot
     rid = gi.rid or uuid.uuid4().hex
     rec = ds.rooms.open(boot.room, rid, boot.addr)
+    if answer is None:
+        async def answer(req: Request, pages: list[int], result: ReceiveResult,
+                         started: float) -> web.StreamResponse:
+            if item.stream:
+                return await stream_out(request, ds, req, pages, result, started)
+            return await collect_out(ds, req, pages, result, started)
     try:
-        return await serve_room(request, ds, gi, rid, boot, rec, item.stream)
+        return await serve_room(request, ds, gi, rid, boot, rec, answer)
     finally:
         if rec.state == "in_flight":  # cancelled (the client left) before an outcome
             ds.rooms.close(rec, error={"stage": rec.stage, "rank": ds.rank.rank,
@@ -88,7 +130,7 @@ async def decode_item(request: web.Request, ds: DecodeState, item: PDItem
 
 
 async def serve_room(request: web.Request, ds: DecodeState, gi: Any, rid: str, boot: Bootstrap,
-                     rec: RoomRecord, stream: bool) -> web.StreamResponse:
+                     rec: RoomRecord, answer: Answer) -> web.StreamResponse:
     started = time.monotonic()
     pages = await reserve(ds, len(gi.prompt), gi.params.max_new_tokens, rec)
     if pages is None:
@@ -114,10 +156,7 @@ async def serve_room(request: web.Request, ds: DecodeState, gi: Any, rid: str, b
     rec.reach("consumed")
     ds.stats["ok"] += 1
     try:
-        if stream:
-            resp = await stream_out(request, ds, req, pages, result, started)
-        else:
-            resp = await collect_out(ds, req, pages, result, started)
+        resp = await answer(req, pages, result, started)
         ds.rooms.close(rec)
         return resp
     finally:
@@ -322,6 +361,8 @@ def create_decode_app(cfg: PDConfig, ranks: RankContext | None = None) -> web.Ap
     app = worker_app(cfg, decode_ctx, generate)
     app[CFG_KEY] = cfg
     app[RANKS_KEY] = ranks or RankContext()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/debug/rooms/{room}", room_get)
     app.router.add_get("/debug/pd", stats_get)
     return app

@@ -31,7 +31,7 @@ from engine import server as mono
 from engine.errors import BadRequest, CapacityError
 from engine.http_common import STATE_KEY, EngineState
 from engine.metrics import make_registry
-from engine.pd.batch import PDItem, answer_batch, read_pd_items
+from engine.pd.batch import PDItem, answer_batch, read_openai_item, read_pd_items
 from engine.pd.common import Bootstrap, json_error, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.dist import Dist, RankInfo
@@ -100,12 +100,23 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return await answer_batch([prefill_item(ps, item) for item in items])
 
 
-async def prefill_item(ps: PrefillState, item: PDItem) -> web.Response:
+async def completions(request: web.Request) -> web.StreamResponse:
+    """OpenAI requests prefill exactly as /generate ones; the router reads only the status."""
+    item, _ = await read_openai_item(request, chat=False)
+    return await prefill_item(request.app[PREFILL_KEY], item, request.path)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    item, _ = await read_openai_item(request, chat=True)
+    return await prefill_item(request.app[PREFILL_KEY], item, request.path)
+
+
+async def prefill_item(ps: PrefillState, item: PDItem, path: str = "/generate") -> web.Response:
     info = ps.ranks.info
     if info.world_rank == 0 and info.dp_size > 1:
         dp = await choose_dp(ps, item.boot)
         if dp != 0:
-            return await forward(ps, dp, item.body)
+            return await forward(ps, dp, item.body, path)
     gi = item.gen
     ps.engine.scheduler.check_fits(len(gi.prompt), 1)  # a prefill keeps the prompt's KV only
     return await prefill_one(ps, gi.prompt, gi.params, gi.rid or uuid.uuid4().hex, item.boot)
@@ -121,9 +132,10 @@ async def choose_dp(ps: PrefillState, boot: Bootstrap) -> int:
     return dp
 
 
-async def forward(ps: PrefillState, dp: int, body: dict[str, Any]) -> web.Response:
+async def forward(ps: PrefillState, dp: int, body: dict[str, Any], path: str) -> web.Response:
+    """Hand a request to DP group ``dp``'s leader, on the endpoint it came in on."""
     ps.stats["forwarded"] += 1
-    async with ps.session.post(f"{ps.ranks.dp_urls[dp]}/generate", json=body) as resp:
+    async with ps.session.post(f"{ps.ranks.dp_urls[dp]}{path}", json=body) as resp:
         return web.Response(body=await resp.read(), status=resp.status,
                             content_type="application/json")
 
@@ -318,6 +330,8 @@ def create_prefill_app(cfg: PDConfig, ranks: RankContext | None = None) -> web.A
     app = worker_app(cfg, prefill_ctx, generate)
     app[CFG_KEY] = cfg
     app[RANKS_KEY] = ranks or RankContext()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/debug/pd", stats_get)
     app.router.add_post("/flush_cache", mono.flush_cache)
     return app

@@ -3,6 +3,7 @@ equals monolithic output, the prefill reuses its prefix cache, the decode stream
 per-room evidence, and requests without bootstrap fields are refused."""
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -91,6 +92,63 @@ async def test_seeded_sampling_continues_the_prefills_stream(pair: Pair) -> None
         (ps, _), (ds, dbody) = await dual(s, pair.p_url, pair.d_url, body)
     assert (ps, ds) == (200, 200)
     assert dbody["output_ids"] == ref["r"].output_ids
+
+
+async def post_pair(s: aiohttp.ClientSession, pair: Pair, path: str, body: dict[str, Any]
+                    ) -> tuple[int, int, str]:
+    """(prefill status, decode status, decode body text) of one request sent to both."""
+    async def post(url: str) -> tuple[int, str]:
+        async with s.post(url + path, json=body) as r:
+            return r.status, await r.text()
+    (ps, _), (ds, text) = await asyncio.gather(post(pair.p_url), post(pair.d_url))
+    return ps, ds, text
+
+
+async def test_openai_endpoints_answer_as_generate_does(pair: Pair) -> None:
+    """SGLang's PD servers take OpenAI requests too (the router forwards them as they are)."""
+    boot = lambda: {"bootstrap_host": "127.0.0.1", "bootstrap_port": pair.bport,  # noqa: E731
+                    "bootstrap_room": new_room()}
+    messages = [{"role": "user", "content": "disaggregated serving, in short?"}]
+    greedy = {"max_tokens": 6, "temperature": 0}
+    async with aiohttp.ClientSession() as s:
+        # The reference: the same prompts through /generate (checked against monolithic above).
+        chat_ids = [256, *b"<|user|>\ndisaggregated serving, in short?\n<|assistant|>\n"]
+        ps, ds, ref_chat = await post_pair(s, pair, "/generate", {
+            **pd_body(chat_ids, 6, pair.bport)})
+        ps2, ds2, ref_text = await post_pair(s, pair, "/generate", {
+            **pd_body([256, *b"a completion prompt"], 6, pair.bport)})
+        assert (ps, ds, ps2, ds2) == (200, 200, 200, 200)
+
+        ps, ds, text = await post_pair(s, pair, "/v1/chat/completions",
+                                       {"messages": messages, **greedy, **boot()})
+        assert (ps, ds) == (200, 200), text
+        doc = json.loads(text)
+        assert doc["object"] == "chat.completion" and doc["id"].startswith("chatcmpl-")
+        assert doc["choices"][0]["message"]["content"] == json.loads(ref_chat)["text"]
+        assert doc["usage"]["completion_tokens"] == 6
+        assert doc["usage"]["prompt_tokens"] == len(chat_ids)
+
+        ps, ds, text = await post_pair(s, pair, "/v1/completions",
+                                       {"prompt": "a completion prompt", **greedy, **boot(),
+                                        "stream": True, "stream_options": {"include_usage": True}})
+        assert (ps, ds) == (200, 200), text
+        events = [e[len("data: "):] for e in text.split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        assert streamed == json.loads(ref_text)["text"]
+        assert chunks[-1]["usage"]["completion_tokens"] == 6
+        # The prefill's cache served the repeated prompt, and the decode reports it.
+        assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+        # Bad input is a 400 on both halves, before anything starts.
+        ps, ds, text = await post_pair(s, pair, "/v1/completions",
+                                       {"prompt": "x", "n": 2, **boot()})
+        assert (ps, ds) == (400, 400) and "n: only n = 1" in text
+        ps, ds, text = await post_pair(s, pair, "/v1/chat/completions", {"messages": messages})
+        assert (ps, ds) == (400, 400) and "send PD requests through the router" in text
+    assert pair.ds.replica.pool.num_free == pair.ds.replica.pool.num_pages
+    assert not pair.ps.replica.held
 
 
 def batch_body(prompts: list[list[int]], max_new: int, bport: int) -> dict[str, Any]:

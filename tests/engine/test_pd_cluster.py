@@ -140,6 +140,18 @@ async def test_pd_tokens_equal_monolithic(cluster: tuple[Proc, Proc, str]) -> No
             doc = await r.json()
     assert doc["ok"] == N_PROMPTS and doc["failed"] == 0
     assert doc["kv_pages_free"] == doc["kv_pages_total"]
+    # OpenAI requests take the same path (on a DP prefill, forwarded on their own endpoint).
+    async with aiohttp.ClientSession() as s:
+        for room in (2, 3):  # both DP groups under follow_bootstrap_room
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                    "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bport,
+                    "bootstrap_room": room}
+            pr, dr = await asyncio.gather(
+                s.post(prefill.url + "/v1/chat/completions", json=body),
+                s.post(decode.url + "/v1/chat/completions", json=body))
+            answer = await dr.json()
+            assert (pr.status, dr.status) == (200, 200), answer
+            assert answer["usage"]["completion_tokens"] == 3
 
 
 async def test_two_node_prefill_takes_node0_bootstrap_port() -> None:
