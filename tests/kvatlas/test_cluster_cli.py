@@ -81,6 +81,16 @@ def test_up_status_generate_down(tmp_path: Path) -> None:
             answers = json.loads(r.read())
         assert [a["meta_info"]["completion_tokens"] for a in answers] == [3, 3]
         assert len({a["meta_info"]["bootstrap_room"] for a in answers}) == 2
+        # OpenAI requests through the router; the repeat finds its prefix cached.
+        chat = json.dumps({"messages": [{"role": "user", "content": "a question " * 8}],
+                           "max_tokens": 2}).encode()
+        usages = []
+        for _ in range(2):
+            with urllib.request.urlopen(state.router["url"] + "/v1/chat/completions", chat,
+                                        timeout=30) as r:
+                usages.append(json.loads(r.read())["usage"])
+        assert [u["completion_tokens"] for u in usages] == [2, 2]
+        assert usages[1]["prompt_tokens_details"]["cached_tokens"] > 0
         again = kvatlas("cluster", "up", *FAST, "--detach", "--run-dir", str(run_dir))
         assert again.returncode == 2 and "already running" in again.stderr
         # doctor walks the whole chain, then names the first broken link.
