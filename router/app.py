@@ -117,9 +117,10 @@ class RouterApp:
         return self.port
 
     async def close(self) -> None:
+        """Stop listening, let requests in flight finish (``shutdown_grace``), then stop."""
         if self.metrics_server is not None:
-            await self.metrics_server.close()
-        await self.server.close()
+            await self.metrics_server.close(grace=0)
+        await self.server.close(grace=self.config.shutdown_grace)
         await self._stack.aclose()
 
     @contextlib.asynccontextmanager

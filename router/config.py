@@ -134,6 +134,9 @@ class RouterConfig:
     """Seconds to connect to an upstream."""
     max_connections: int = 2048
     """Upstream connection pool size."""
+    shutdown_grace: float = 30.0
+    """Seconds a stopping router lets requests in flight finish (streams included) before it
+    cuts them."""
     prometheus_port: int | None = None
     """Also serve ``/metrics`` on this port (sglang-router's separate metrics port); None: on
     the main port only."""
@@ -173,6 +176,7 @@ class RouterConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("overlap_weight", "temperature", "prediction_catch_up", "work_half_life",
+                     "shutdown_grace",
                      "breaker_timeout", "retry_initial_backoff",
                      "retry_max_backoff"):
             if getattr(self, name) < 0:
@@ -269,6 +273,9 @@ class RouterConfig:
         parser.add_argument("--client-read-timeout-secs", type=float,
                             default=d.client_read_timeout,
                             help="seconds a client has to send a whole request (408 after)")
+        parser.add_argument("--shutdown-grace-period-secs", type=float, dest="shutdown_grace",
+                            default=d.shutdown_grace,
+                            help="seconds in-flight requests may finish when stopping")
         parser.add_argument("--prometheus-port", type=int, default=None,
                             help="also serve /metrics on this port (default: main port only)")
         parser.add_argument("--prometheus-host", default=d.prometheus_host,
@@ -312,5 +319,6 @@ class RouterConfig:
             request_timeout=args.request_timeout_secs,
             client_read_timeout=args.client_read_timeout_secs,
             prometheus_port=args.prometheus_port, prometheus_host=args.prometheus_host,
+            shutdown_grace=args.shutdown_grace,
             uvloop=not args.no_uvloop,
         )

@@ -87,7 +87,7 @@ def test_an_sglang_router_command_line_works_unchanged() -> None:
                  "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
                  "--health-check-interval-secs", "10", "--request-timeout-secs", "600",
                  "--prometheus-port", "29000", "--disable-circuit-breaker",
-                 "--disable-health-check"])
+                 "--disable-health-check", "--shutdown-grace-period-secs", "180"])
     # cache_aware (sglang-router's per-router text tree) becomes the global-index kv_aware.
     assert cfg.policy == "kv_aware" and cfg.effective_prefill_policy == "kv_aware"
     assert cfg.effective_decode_policy == "power_of_two"
@@ -102,6 +102,7 @@ def test_an_sglang_router_command_line_works_unchanged() -> None:
     assert parse(["--disable-retries"]).retry_max_attempts == 1
     assert (cfg.prometheus_host, cfg.prometheus_port) == ("127.0.0.1", 29000)
     assert not cfg.breaker_enabled and not cfg.health_check_enabled
+    assert cfg.shutdown_grace == 180.0
     assert parse([]).breaker_enabled and parse([]).health_check_enabled
 
 

@@ -288,3 +288,22 @@ async def test_a_metrics_port_in_use_fails_the_start_and_frees_the_main_port(
     assert app.port is not None
     with socket.socket() as again:
         again.bind(("127.0.0.1", app.port))  # released: nothing listens there any more
+
+
+async def test_a_stopping_router_lets_requests_in_flight_finish(stubs: Any,
+                                                                start_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    d.delay = 0.5
+    app = create_app(router_config([p], [d], shutdown_grace=5.0))
+    port = await app.start("127.0.0.1", 0)
+    async with aiohttp.ClientSession() as s:
+        pending = asyncio.ensure_future(s.post(f"http://127.0.0.1:{port}/generate",
+                                               json={"text": "in flight"}))
+        while not d.bodies:
+            await asyncio.sleep(0.01)
+        await app.close()  # returns once the request in flight got its answer
+        resp = await pending
+        assert resp.status == 200 and (await resp.json())["worker"] == "decode0"
+        # Nothing is accepted any more.
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await s.post(f"http://127.0.0.1:{port}/generate", json={"text": "late"})
