@@ -18,6 +18,7 @@ from index.errors import EtcdError
 from index.etcd import EtcdClient
 from index.mirror import BlockMirror
 from router import handlers
+from router.admission import Admission
 from router.config import RouterConfig
 from router.discovery import InstanceDiscovery
 from router.dispatch import Dispatcher, json_error
@@ -47,7 +48,9 @@ class RouterApp:
         """The separate ``/metrics`` listener, with ``--prometheus-port``."""
         self.metrics_port: int | None = None
         self._stack = contextlib.AsyncExitStack()
-        svc = Services(self.state, self.dispatcher)
+        self.admission = Admission(config.max_concurrent_requests, config.queue_size,
+                                   config.queue_timeout)
+        svc = Services(self.state, self.dispatcher, self.admission)
         self._metrics = functools.partial(handlers.metrics, svc)
         self.routes: dict[str, dict[str, Route]] = {}
         for method, path, handler in (

@@ -134,6 +134,12 @@ class RouterConfig:
     """Seconds to connect to an upstream."""
     max_connections: int = 2048
     """Upstream connection pool size."""
+    max_concurrent_requests: int = -1
+    """Proxied requests served at once; past it they queue (-1: no limit)."""
+    queue_size: int = 100
+    """Requests that may wait for a slot; past it, 429 at once."""
+    queue_timeout: float = 60.0
+    """Seconds a request may wait for a slot (408 after)."""
     shutdown_grace: float = 30.0
     """Seconds a stopping router lets requests in flight finish (streams included) before it
     cuts them."""
@@ -176,7 +182,7 @@ class RouterConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("overlap_weight", "temperature", "prediction_catch_up", "work_half_life",
-                     "shutdown_grace",
+                     "shutdown_grace", "queue_size", "queue_timeout",
                      "breaker_timeout", "retry_initial_backoff",
                      "retry_max_backoff"):
             if getattr(self, name) < 0:
@@ -273,6 +279,13 @@ class RouterConfig:
         parser.add_argument("--client-read-timeout-secs", type=float,
                             default=d.client_read_timeout,
                             help="seconds a client has to send a whole request (408 after)")
+        parser.add_argument("--max-concurrent-requests", type=int,
+                            default=d.max_concurrent_requests,
+                            help="proxied requests at once, the rest queue (-1: no limit)")
+        parser.add_argument("--queue-size", type=int, default=d.queue_size,
+                            help="requests waiting for a slot (429 past it)")
+        parser.add_argument("--queue-timeout-secs", type=float, dest="queue_timeout",
+                            default=d.queue_timeout, help="wait for a slot (408 after)")
         parser.add_argument("--shutdown-grace-period-secs", type=float, dest="shutdown_grace",
                             default=d.shutdown_grace,
                             help="seconds in-flight requests may finish when stopping")
@@ -320,5 +333,7 @@ class RouterConfig:
             client_read_timeout=args.client_read_timeout_secs,
             prometheus_port=args.prometheus_port, prometheus_host=args.prometheus_host,
             shutdown_grace=args.shutdown_grace,
+            max_concurrent_requests=args.max_concurrent_requests, queue_size=args.queue_size,
+            queue_timeout=args.queue_timeout,
             uvloop=not args.no_uvloop,
         )

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from router.admission import Admission, Overloaded
 from router.config import parse_bootstrap_port
 from router.dispatch import HOP_HEADERS, Dispatcher, json_error
 from router.http.server import Request, Response, Stream, json_response
@@ -26,6 +27,7 @@ class Services:
 
     state: RouterState
     dispatcher: Dispatcher
+    admission: Admission
 
 
 _RID_PREFIX = f"{random.getrandbits(64):016x}"
@@ -62,8 +64,19 @@ async def _proxy(svc: Services, request: Request, kind: str,
         return json_error(exc.status, str(exc), rid)
     except UnknownModel as exc:
         return json_error(404, str(exc), rid)
-    return await svc.dispatcher.forward(request, path, path, parsed,
-                                        forward_headers(request, rid), rid)
+    admission = svc.admission
+    if admission.limit <= 0:
+        return await svc.dispatcher.forward(request, path, path, parsed,
+                                            forward_headers(request, rid), rid)
+    try:
+        await admission.enter()
+    except Overloaded as exc:
+        return json_error(exc.status, str(exc), rid)
+    try:
+        return await svc.dispatcher.forward(request, path, path, parsed,
+                                            forward_headers(request, rid), rid)
+    finally:
+        admission.leave()
 
 
 async def generate(svc: Services, request: Request) -> Response | Stream:

@@ -87,7 +87,9 @@ def test_an_sglang_router_command_line_works_unchanged() -> None:
                  "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
                  "--health-check-interval-secs", "10", "--request-timeout-secs", "600",
                  "--prometheus-port", "29000", "--disable-circuit-breaker",
-                 "--disable-health-check", "--shutdown-grace-period-secs", "180"])
+                 "--disable-health-check", "--shutdown-grace-period-secs", "180",
+                 "--max-concurrent-requests", "64", "--queue-size", "10",
+                 "--queue-timeout-secs", "30"])
     # cache_aware (sglang-router's per-router text tree) becomes the global-index kv_aware.
     assert cfg.policy == "kv_aware" and cfg.effective_prefill_policy == "kv_aware"
     assert cfg.effective_decode_policy == "power_of_two"
@@ -103,6 +105,7 @@ def test_an_sglang_router_command_line_works_unchanged() -> None:
     assert (cfg.prometheus_host, cfg.prometheus_port) == ("127.0.0.1", 29000)
     assert not cfg.breaker_enabled and not cfg.health_check_enabled
     assert cfg.shutdown_grace == 180.0
+    assert (cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout) == (64, 10, 30.0)
     assert parse([]).breaker_enabled and parse([]).health_check_enabled
 
 
@@ -116,6 +119,7 @@ def test_an_sglang_router_command_line_works_unchanged() -> None:
     ({"retry_jitter": 1.5}, "retry_jitter"),
     ({"client_read_timeout": 0}, "client_read_timeout must be > 0"),
     ({"prometheus_port": 70000}, "prometheus port"),
+    ({"queue_size": -1}, "queue_size"),
     ({"etcd_prefix": "nope"}, "prefix"),
 ])
 def test_config_rejects_bad_values(kwargs: dict[str, Any], needle: str) -> None:

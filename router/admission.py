@@ -1,0 +1,75 @@
+"""Admission control: at most N proxied requests at once, a bounded queue for the others.
+
+sglang-router's ``--max-concurrent-requests``, ``--queue-size`` and ``--queue-timeout-secs``:
+a router in front of saturated engines should push back rather than pile up requests. A
+request past the limit waits in a FIFO queue for a slot; with the queue full it gets a 429
+at once, and after waiting too long a 408, both saying which limit it hit.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+
+class Overloaded(Exception):
+    """No slot for this request: ``status`` is 429 (queue full) or 408 (waited too long)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Admission:
+    def __init__(self, limit: int, queue_size: int, queue_timeout: float) -> None:
+        self.limit = limit
+        """Requests served at once; <= 0: no limit (nothing is counted)."""
+        self.queue_size = queue_size
+        self.queue_timeout = queue_timeout
+        self.in_flight = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for w in self._waiters if not w.done())
+
+    async def enter(self) -> None:
+        """Take a slot, waiting in the queue if need be; Overloaded when there is none."""
+        if self.in_flight < self.limit and not self._waiters:
+            self.in_flight += 1
+            return
+        if self.queued >= self.queue_size:
+            raise Overloaded(429, f"too many requests: {self.in_flight} in flight (router "
+                             f"--max-concurrent-requests {self.limit}) and {self.queued} "
+                             f"queued (--queue-size {self.queue_size}); retry later")
+        slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(slot)
+        try:
+            done, _ = await asyncio.wait({slot}, timeout=self.queue_timeout)
+        except asyncio.CancelledError:
+            self._give_up(slot)
+            raise
+        if not done:
+            self._give_up(slot)
+            raise Overloaded(408, f"no free slot within {self.queue_timeout:g} s (router "
+                             f"--queue-timeout-secs; {self.limit} requests at once, "
+                             "--max-concurrent-requests)")
+
+    def leave(self) -> None:
+        """Give the slot back: to the longest waiter, if any, else to the pool."""
+        while self._waiters:
+            slot = self._waiters.popleft()
+            if not slot.done():
+                slot.set_result(None)  # handed over: in_flight stays the same
+                return
+        self.in_flight -= 1
+
+    def _give_up(self, slot: asyncio.Future[None]) -> None:
+        if slot.done() and not slot.cancelled():
+            # The slot was handed over just as this request stopped waiting: pass it on.
+            self.leave()
+        else:
+            slot.cancel()
+        try:
+            self._waiters.remove(slot)
+        except ValueError:
+            pass
