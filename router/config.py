@@ -134,6 +134,9 @@ class RouterConfig:
     """Seconds to connect to an upstream."""
     max_connections: int = 2048
     """Upstream connection pool size."""
+    request_id_headers: tuple[str, ...] = ("x-request-id",)
+    """Headers a client's request id is read from, first found wins; it is forwarded and
+    returned as ``x-request-id`` (one is made when none came)."""
     max_concurrent_requests: int = -1
     """Proxied requests served at once; past it they queue (-1: no limit)."""
     queue_size: int = 100
@@ -187,6 +190,9 @@ class RouterConfig:
                      "retry_max_backoff"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self.request_id_headers = tuple(h.strip().lower() for h in self.request_id_headers)
+        if not self.request_id_headers or not all(self.request_id_headers):
+            raise ValueError("request_id_headers needs at least one non-empty header name")
         if not 0 <= self.retry_jitter < 1:
             raise ValueError(f"retry_jitter must be within [0, 1), got {self.retry_jitter}")
 
@@ -279,6 +285,9 @@ class RouterConfig:
         parser.add_argument("--client-read-timeout-secs", type=float,
                             default=d.client_read_timeout,
                             help="seconds a client has to send a whole request (408 after)")
+        parser.add_argument("--request-id-headers", nargs="+", default=None, metavar="NAME",
+                            help="headers to read a client's request id from, in order "
+                                 "(default x-request-id)")
         parser.add_argument("--max-concurrent-requests", type=int,
                             default=d.max_concurrent_requests,
                             help="proxied requests at once, the rest queue (-1: no limit)")
@@ -333,6 +342,7 @@ class RouterConfig:
             client_read_timeout=args.client_read_timeout_secs,
             prometheus_port=args.prometheus_port, prometheus_host=args.prometheus_host,
             shutdown_grace=args.shutdown_grace,
+            request_id_headers=tuple(args.request_id_headers or ("x-request-id",)),
             max_concurrent_requests=args.max_concurrent_requests, queue_size=args.queue_size,
             queue_timeout=args.queue_timeout,
             uvloop=not args.no_uvloop,

@@ -34,10 +34,13 @@ _RID_PREFIX = f"{random.getrandbits(64):016x}"
 _rid_counter = itertools.count(1)
 
 
-def request_id_of(request: Request) -> str:
-    rid = request.headers.get("x-request-id", "")
-    if 0 < len(rid) <= 256 and rid.isprintable():
-        return rid
+def request_id_of(request: Request, names: tuple[str, ...] = ("x-request-id",)) -> str:
+    """The client's request id from the first of ``names`` it sent, else a new one."""
+    headers = request.headers
+    for name in names:
+        rid = headers.get(name, "")
+        if 0 < len(rid) <= 256 and rid.isprintable():
+            return rid
     # Not a secret, only unique: a random per-process prefix and a counter.
     return f"{_RID_PREFIX}{next(_rid_counter):016x}"
 
@@ -54,7 +57,7 @@ def forward_headers(request: Request, request_id: str) -> dict[str, str]:
 async def _proxy(svc: Services, request: Request, kind: str,
                  path: str) -> Response | Stream:
     state = svc.state
-    rid = request_id_of(request)
+    rid = request_id_of(request, state.config.request_id_headers)
     try:
         raw = request.body
         parsed = PARSERS[kind](load_json(raw), state.config.max_tokens)

@@ -89,7 +89,8 @@ def test_an_sglang_router_command_line_works_unchanged() -> None:
                  "--prometheus-port", "29000", "--disable-circuit-breaker",
                  "--disable-health-check", "--shutdown-grace-period-secs", "180",
                  "--max-concurrent-requests", "64", "--queue-size", "10",
-                 "--queue-timeout-secs", "30"])
+                 "--queue-timeout-secs", "30", "--request-id-headers", "x-trace-id",
+                 "x-request-id"])
     # cache_aware (sglang-router's per-router text tree) becomes the global-index kv_aware.
     assert cfg.policy == "kv_aware" and cfg.effective_prefill_policy == "kv_aware"
     assert cfg.effective_decode_policy == "power_of_two"
@@ -106,6 +107,8 @@ def test_an_sglang_router_command_line_works_unchanged() -> None:
     assert not cfg.breaker_enabled and not cfg.health_check_enabled
     assert cfg.shutdown_grace == 180.0
     assert (cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout) == (64, 10, 30.0)
+    assert cfg.request_id_headers == ("x-trace-id", "x-request-id")
+    assert parse([]).request_id_headers == ("x-request-id",)
     assert parse([]).breaker_enabled and parse([]).health_check_enabled
 
 
@@ -120,6 +123,7 @@ def test_an_sglang_router_command_line_works_unchanged() -> None:
     ({"client_read_timeout": 0}, "client_read_timeout must be > 0"),
     ({"prometheus_port": 70000}, "prometheus port"),
     ({"queue_size": -1}, "queue_size"),
+    ({"request_id_headers": ("",)}, "request_id_headers"),
     ({"etcd_prefix": "nope"}, "prefix"),
 ])
 def test_config_rejects_bad_values(kwargs: dict[str, Any], needle: str) -> None:

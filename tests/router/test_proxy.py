@@ -83,6 +83,17 @@ async def test_headers_forwarded_and_request_id(stubs: Any, make_router: Any) ->
     assert {k.lower(): v for k, v in d.headers[1].items()}["x-request-id"] == rid
 
 
+async def test_request_id_from_the_configured_headers(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d], request_id_headers=("X-Trace-Id", "x-request-id"))
+    resp = await client.post("/generate", json={"text": "x"},
+                             headers={"x-request-id": "second", "x-trace-id": "first"})
+    assert resp.headers["x-request-id"] == "first"
+    assert {k.lower(): v for k, v in d.headers[0].items()}["x-request-id"] == "first"
+    resp = await client.post("/generate", json={"text": "x"}, headers={"x-request-id": "only"})
+    assert resp.headers["x-request-id"] == "only"
+
+
 async def test_retry_draws_new_room_each_attempt(stubs: Any, make_router: Any) -> None:
     (p,), (d,) = await stubs("prefill"), await stubs("decode")
     d.statuses = [503, 500]
