@@ -12,7 +12,9 @@ import asyncio
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -56,7 +58,7 @@ def serve(cfg: PDConfig) -> int:
     watch = RankWatch(children)
     watch.start()
     try:
-        run_rank(cfg, local[0], init_addr)
+        run_rank(cfg, local[0], init_addr, on_shutdown=watch.stop)
     finally:
         watch.stop()
         for p in children:
@@ -71,12 +73,17 @@ def serve(cfg: PDConfig) -> int:
 
 def _child(cfg: PDConfig, world_rank: int, init_addr: str | None) -> None:
     die_with_parent()
+    # A terminal's Ctrl-C reaches the whole process group: the leader stops the ranks itself,
+    # in order (a DP group leader's server installs its own handler all the same).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("KVATLAS_LOG_LEVEL", "WARNING"),
                         format=f"%(asctime)s rank{world_rank} %(levelname)s %(name)s: %(message)s")
     run_rank(cfg, world_rank, init_addr)
 
 
-def run_rank(cfg: PDConfig, world_rank: int, init_addr: str | None) -> None:
+def run_rank(cfg: PDConfig, world_rank: int, init_addr: str | None,
+             on_shutdown: Callable[[], None] | None = None) -> None:
+    """Run one rank. ``on_shutdown``: called as a leader's server begins to stop."""
     # Before the ZMQ context and its I/O thread exist: one malloc arena lets received KV frames
     # reuse memory instead of re-faulting fresh pages on every transfer (bench/transfer.py).
     tune_host_allocator()
@@ -111,8 +118,13 @@ def run_rank(cfg: PDConfig, world_rank: int, init_addr: str | None) -> None:
                 from engine.pd.prefill import create_prefill_app as make
             else:
                 from engine.pd.decode import create_decode_app as make
+            app = make(mine, ranks)
+            if on_shutdown is not None:
+                async def shutting_down(_: web.Application) -> None:
+                    on_shutdown()
+                app.on_shutdown.append(shutting_down)
             # handler_cancellation: a client that hangs up aborts its request and frees its pages
-            web.run_app(make(mine, ranks), host=cfg.engine.host, port=port, print=None,
+            web.run_app(app, host=cfg.engine.host, port=port, print=None,
                         access_log=None, handler_cancellation=True)
         else:
             asyncio.run(follower_main(cfg, info, dist, Bootstrap(boot_host, bport, 1)))

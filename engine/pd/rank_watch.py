@@ -19,10 +19,18 @@ from multiprocessing.process import BaseProcess
 log = logging.getLogger(__name__)
 
 
+CONFIRM_S = 2.0
+"""How long a rank's exit may precede the instance's own stop and still count as part of it: a
+signal to the whole process group (``cluster down``, Ctrl-C) can end the ranks a moment before
+the leader starts stopping."""
+
+
 class RankWatch:
-    def __init__(self, children: Sequence[BaseProcess], grace_s: float = 15.0) -> None:
+    def __init__(self, children: Sequence[BaseProcess], grace_s: float = 15.0,
+                 confirm_s: float = CONFIRM_S) -> None:
         self.children = list(children)
         self.grace_s = grace_s
+        self.confirm_s = confirm_s
         self.dead: BaseProcess | None = None
         """The first rank process that exited while the instance was serving."""
         self._stopping = threading.Event()
@@ -35,13 +43,14 @@ class RankWatch:
             self._thread.start()
 
     def stop(self) -> None:
-        """The instance is stopping on purpose: rank exits from now on are expected."""
+        """The instance is stopping on purpose (call it as the stop begins, before the ranks
+        are told to leave): rank exits from now on are expected."""
         self._stopping.set()
 
     def _run(self) -> None:
         by_sentinel = {p.sentinel: p for p in self.children}
         ready = wait(list(by_sentinel))
-        if self._stopping.is_set():
+        if self._stopping.wait(self.confirm_s):
             return
         self.dead = by_sentinel[ready[0]]  # type: ignore[index]
         log.error("rank process %s exited (code %s): stopping this instance, which cannot "

@@ -159,3 +159,26 @@ async def test_a_second_decode_with_a_live_id_exits_naming_the_first(
         first.stop()
         if second is not None:
             second.stop()
+
+
+@pytest.mark.parametrize("whole_group", [True, False], ids=["group", "leader"])
+async def test_a_clean_stop_with_ranks_is_not_taken_for_a_dead_rank(
+        etcd_endpoint: str, key_prefix: str, etcd: EtcdClient, whole_group: bool) -> None:
+    """SIGTERM to the process group (``cluster down``) or to the leader alone: exit 0, and the
+    lease revoked at once, however the ranks end around the leader's own stop."""
+    layout = KeyLayout(prefix=key_prefix)
+    prefill = Proc("prefill", "--tp", "2", "--etcd", etcd_endpoint, "--etcd-prefix", key_prefix,
+                   "--lease-ttl", "30", "--instance-id", "pre-stop")
+    try:
+        prefill.wait_ready()
+        assert await etcd.get(layout.instance("pre-stop")) is not None
+        if whole_group:
+            os.killpg(prefill.proc.pid, signal.SIGTERM)
+        else:
+            prefill.proc.send_signal(signal.SIGTERM)
+        code = await asyncio.get_running_loop().run_in_executor(None, prefill.proc.wait, 30)
+        assert code == 0, prefill.output()
+        assert "rank process" not in prefill.output()
+        assert await etcd.get(layout.instance("pre-stop")) is None  # revoked, not expiring
+    finally:
+        prefill.stop()
