@@ -302,7 +302,7 @@ class IndexAgent:
         else:
             try:
                 await ensure_id_free(self.client, cfg.layout.instance(cfg.instance_id),
-                                     cfg.instance_id)
+                                     cfg.instance_id, source=SOURCE)
             except InstanceIdInUse:
                 await self.subscriber.close()
                 await self.client.close()

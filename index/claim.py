@@ -20,37 +20,43 @@ from index.etcd import EtcdClient
 logger = logging.getLogger(__name__)
 
 SLACK_S = 1.0
-"""Margin over a holder's renewal period (a third of its TTL), and over TTLs whole seconds."""
+"""Margin over a holder's renewal period (a third of its TTL); also the truncation of TTLs to
+whole seconds."""
 
 
-async def ensure_id_free(client: EtcdClient, key: bytes, instance_id: str) -> None:
-    """Raise InstanceIdInUse when ``key`` is held under a lease that is being renewed. Best
-    effort: with etcd unreachable it returns (the instance serves without etcd meanwhile)."""
+async def ensure_id_free(client: EtcdClient, key: bytes, instance_id: str,
+                         source: str | None = None) -> None:
+    """Raise InstanceIdInUse when ``key`` holds a record of our kind (``source``: the record's
+    ``source`` field, None for servers) under a lease that is being renewed. An index agent
+    (source "kv-events") shares its id with the instance's bootstrap server by design, so each
+    only looks at its own kind. Best effort: with etcd unreachable it returns (the instance
+    serves without etcd meanwhile)."""
+    loop = asyncio.get_running_loop()
     try:
         kv = await client.get(key)
-        if kv is None or not kv.lease:
+        if kv is None or not kv.lease or _record(kv.value).get("source") != source:
             return
         remaining, granted = await client.lease_ttls(kv.lease)
+        replied = loop.time()
         if remaining <= 0:
             return
         window = granted / 3 + SLACK_S
         logger.info("instance id %s has a record under lease %x (%d s left): checking for "
                     "%.1f s whether a live process renews it", instance_id, kv.lease, remaining,
                     window)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
         await asyncio.sleep(window)
+        asked = loop.time()
         again, _ = await client.lease_ttls(kv.lease)
-        elapsed = loop.time() - started
     except EtcdError as exc:
         logger.warning("could not check whether instance id %s is in use: %s", instance_id, exc)
         return
-    # A lease nobody renews has lost about `elapsed` seconds; a renewed one is back near its TTL.
-    renewed = again > remaining - elapsed + SLACK_S
+    # etcd truncates TTLs to whole seconds, and between its two readings at least
+    # `asked - replied` seconds passed: a lease nobody renewed now reads below
+    # remaining + 1 - that, so reading as much or more proves a renewal.
+    renewed = again >= remaining + SLACK_S - (asked - replied)
     address = _address(kv.value)
     # The holder's address settles it where the record names one: this process has not bound
-    # its own ports yet, so whatever answers there is the holder (a lease reading alone could
-    # be off when etcd applies a dead holder's last keepalive late).
+    # its own ports yet, so whatever answers there is the holder.
     if renewed and (address is None or await _listens(*address)):
         raise InstanceIdInUse(instance_id, kv.lease, _holder(kv.value))
     logger.info("instance id %s: its previous holder is gone; taking over", instance_id)

@@ -88,3 +88,23 @@ async def test_an_id_a_crashed_process_left_is_taken_over(etcd: EtcdClient,
     # It looked for one renewal period of the holder (its TTL / 3 + 1 s), not for the whole TTL.
     assert TTL * 4 / 3 <= time.monotonic() - t0 < TTL * 4 - 2
     await etcd.revoke(lease)
+
+
+async def test_only_a_record_of_the_same_kind_counts(etcd: EtcdClient, layout: KeyLayout) -> None:
+    """An index agent shares its id with the instance's bootstrap server by design."""
+    key = layout.instance("shared")
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with renewed_record(etcd, key, {"role": "prefill", "bootstrap_host": "127.0.0.1",
+                                              "bootstrap_port": port}):
+            t0 = time.monotonic()
+            await ensure_id_free(etcd, key, "shared", source="kv-events")  # the agent: fine
+            assert time.monotonic() - t0 < 1.0
+        async with renewed_record(etcd, key, {"role": "prefill", "source": "kv-events"}):
+            await ensure_id_free(etcd, key, "shared")  # the server: fine
+            with pytest.raises(InstanceIdInUse):  # a second agent: refused
+                await ensure_id_free(etcd, key, "shared", source="kv-events")
+    finally:
+        server.close()
+        await server.wait_closed()
