@@ -322,7 +322,8 @@ class HttpProtocol(asyncio.Protocol):
                         return
                     answer = json_response({"error": "internal router error (see its log)"},
                                            500)
-                close = not request.keep_alive
+                # A stopping server ends each connection after its answer in flight.
+                close = not request.keep_alive or self.server.stopping
                 if isinstance(answer, Stream):
                     if self.closing:
                         return
@@ -410,6 +411,8 @@ class HttpServer:
         """Told the status of every request refused before reaching the handler (413, 431,
         400 ...), so that they can be counted too."""
         self.connections: set[HttpProtocol] = set()
+        self.stopping = False
+        """Set by ``close``: answers in flight end their connections."""
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -440,11 +443,18 @@ class HttpServer:
                     conn.close()
 
     async def close(self, grace: float = 5.0) -> None:
-        """Stop accepting, let in-flight requests finish for up to ``grace`` s, then close."""
+        """Stop accepting, let in-flight requests finish for up to ``grace`` s, then close.
+
+        Idle keep-alive connections close at once and busy ones after their answer: new
+        requests on them would otherwise keep the server busy to the end of the grace."""
+        self.stopping = True
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
+        for conn in list(self.connections):
+            if not conn.busy:
+                conn.close()
         deadline = time.monotonic() + grace
         while any(c.busy for c in self.connections) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

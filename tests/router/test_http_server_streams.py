@@ -189,6 +189,31 @@ async def test_no_408_while_an_earlier_pipelined_request_is_answered(serve: Star
     assert await at_eof(reader)
 
 
+async def test_close_ends_keep_alive_connections_instead_of_serving_on(serve: Started) -> None:
+    async def handler(request: Request) -> Response:
+        await asyncio.sleep(0.3 if request.path == "/slow" else 0)
+        return json_response({"path": request.path})
+
+    server, port = await serve(handler)
+    idle_reader, idle_writer = await connect(port)
+    idle_writer.write(b"GET /first HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert (await read_response(idle_reader))[0] == 200  # kept alive, now idle
+    busy_reader, busy_writer = await connect(port)
+    busy_writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+    while not any(c.busy for c in server.connections):
+        await asyncio.sleep(0.005)
+    t0 = time.monotonic()
+    closing = asyncio.ensure_future(server.close(grace=10))
+    assert await at_eof(idle_reader, timeout=1)  # the idle one at once
+    status, headers, _ = await read_response(busy_reader)
+    assert status == 200 and headers["connection"] == "close"  # the busy one after its answer
+    assert await at_eof(busy_reader, timeout=1)
+    await closing
+    assert time.monotonic() - t0 < 2.0  # not the whole grace
+    for w in (idle_writer, busy_writer):
+        w.close()
+
+
 async def test_close_waits_for_in_flight_request(serve: Started) -> None:
     started = asyncio.Event()
     release = asyncio.Event()
