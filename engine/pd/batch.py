@@ -84,6 +84,13 @@ def split_batch(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     if not isinstance(rooms, list):
         raise BadRequest("bootstrap_room", f"a batch of {n} prompts needs a list of {n} rooms: "
                          "one room binds one KV transfer")
+    rid = body.get("rid")
+    if rid is not None and not (isinstance(rid, list) and all(isinstance(r, str) and r
+                                                             for r in rid)
+                                and len(set(rid)) == len(rid)):
+        # One id per prompt, as the monolithic server requires: items sharing an id would
+        # collide in the engine (one "already in flight", or one's pages taken for another's).
+        raise BadRequest("rid", "for a batch, must be a list of distinct ids, one per prompt")
     lists = {k: body[k] for k in PER_ITEM if isinstance(body.get(k), list)}
     for k, values in lists.items():
         if len(values) != n:

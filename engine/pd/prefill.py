@@ -97,6 +97,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     items, batch = await read_pd_items(request)
     if not batch:
         return await prefill_item(ps, items[0])
+    for item in items:  # all refused before any starts (a prefill keeps the prompt's KV only)
+        ps.engine.scheduler.check_fits(len(item.gen.prompt), 1)
     return await answer_batch([prefill_item(ps, item) for item in items])
 
 
