@@ -59,14 +59,22 @@ def _log_level(text: str) -> str:
 
 
 def _hoist_log_level(argv: list[str]) -> list[str]:
-    """``argv`` with a ``--log-level`` given after the command moved before it, where the
-    parser takes it: a command line copied from sglang-router puts it there."""
-    for i, arg in enumerate(argv):
+    """``argv`` with every ``--log-level`` moved before the command, where the parser takes it
+    (the last one wins): a command line copied from sglang-router puts it after everything."""
+    levels: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
         if arg.startswith("--log-level="):
-            return [arg, *argv[:i], *argv[i + 1:]]
-        if arg == "--log-level" and i + 1 < len(argv):
-            return [arg, argv[i + 1], *argv[:i], *argv[i + 2:]]
-    return argv
+            levels = [arg]
+        elif arg == "--log-level" and i + 1 < len(argv):
+            levels = [arg, argv[i + 1]]
+            i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return levels + rest
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,7 @@ from kvatlas.etcd_proc import free_port
 
 
 @pytest.mark.parametrize("flag", [["--log-level", "warn"], ["--log-level=debug"],
-                                  ["--log-level", "INFO"]])
+                                  ["--log-level", "INFO", "--log-level", "error"]])
 def test_log_level_after_the_command(flag: list[str]) -> None:
     dead = f"127.0.0.1:{free_port()}"
     res = subprocess.run([sys.executable, "-m", "kvatlas", "instances", *flag, "--etcd", dead,

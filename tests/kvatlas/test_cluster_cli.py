@@ -173,16 +173,18 @@ def test_ctrl_c_while_starting_stops_what_started(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "kvatlas", "cluster", "up", *FAST,
                              "--router-port", str(free_port()), "--run-dir", str(run_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stderr is not None
     try:
         for line in proc.stderr:
             if b"ready" in line:  # etcd is up; the instances are still starting
                 break
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 130, err
-        assert b"stopping what started" in err
+        out, err = proc.communicate(timeout=60)
+        # Interrupted while starting (the instances take seconds), or, on a very fast start,
+        # just after: either way everything is stopped.
+        assert (proc.returncode, b"stopping what started" in err) == (130, True) or \
+            (proc.returncode, b"nothing left running" in out) == (0, True), (out, err)
         state = ClusterState.load(run_dir)
         assert state.processes and _all_gone(state) == []
     finally:
