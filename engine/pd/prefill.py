@@ -245,8 +245,16 @@ async def prefill_ctx(app: web.Application) -> AsyncIterator[None]:
                                                 "dp_size": info.dp_size})
         bapp = create_bootstrap_app(bcfg)
         boot_runner = web.AppRunner(bapp, access_log=None)
-        await boot_runner.setup()
-        await web.TCPSite(boot_runner, cfg.engine.host, bport).start()
+        try:
+            await boot_runner.setup()  # claims the instance id (InstanceIdInUse)
+            await web.TCPSite(boot_runner, cfg.engine.host, bport).start()
+        except BaseException:
+            # Refused (an id or a port in use): stop what already runs, then say why.
+            await boot_runner.cleanup()
+            await sender.close()
+            if uplink is not None:
+                await uplink.close()
+            raise
         mirror = bapp[BOOTSTRAP_STATE].mirror
         if mirror is not None:
             writer = BlockWriter(mirror.session, KeyLayout(prefix=cfg.etcd_prefix),

@@ -140,20 +140,21 @@ async def test_a_dead_rank_takes_its_instance_down_and_out_of_etcd(
         prefill.stop()
 
 
-async def test_a_second_decode_with_a_live_id_exits_naming_the_first(
-        etcd_endpoint: str, key_prefix: str) -> None:
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+async def test_a_second_server_with_a_live_id_exits_naming_the_first(
+        etcd_endpoint: str, key_prefix: str, mode: str) -> None:
     common = ("--etcd", etcd_endpoint, "--etcd-prefix", key_prefix, "--lease-ttl", "3",
-              "--instance-id", "dec-dup")
-    first = Proc("decode", *common)
+              "--instance-id", f"{mode}-dup")
+    first = Proc(mode, *common)
     second = None
     try:
         first.wait_ready()
-        second = Proc("decode", *common)
+        second = Proc(mode, *common)
         code = await asyncio.get_running_loop().run_in_executor(None, second.proc.wait, 30)
         assert code == 2
         out = second.output()
-        assert "instance id 'dec-dup' is in use by a live process" in out
-        assert f"decode at 127.0.0.1:{first.port}" in out
+        assert f"instance id '{mode}-dup' is in use by a live process" in out
+        assert f"{mode} at 127.0.0.1:{first.port}" in out
         assert "Traceback" not in out and "Unclosed" not in out
     finally:
         first.stop()
