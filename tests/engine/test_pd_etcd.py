@@ -120,14 +120,26 @@ def rank_children(pid: int) -> list[int]:
     return out
 
 
+async def tp2_prefill(etcd_endpoint: str, key_prefix: str, etcd: EtcdClient,
+                      iid: str) -> Proc:
+    """A ready two-rank prefill registered in etcd, with a lease TTL (30 s) far longer than any
+    wait of these tests, so that a key gone at once was revoked, not expired."""
+    prefill = Proc("prefill", "--tp", "2", "--etcd", etcd_endpoint, "--etcd-prefix", key_prefix,
+                   "--lease-ttl", "30", "--instance-id", iid)
+    try:
+        prefill.wait_ready()
+        assert await etcd.get(KeyLayout(prefix=key_prefix).instance(iid)) is not None
+    except BaseException:
+        prefill.stop()
+        raise
+    return prefill
+
+
 async def test_a_dead_rank_takes_its_instance_down_and_out_of_etcd(
         etcd_endpoint: str, key_prefix: str, etcd: EtcdClient) -> None:
     layout = KeyLayout(prefix=key_prefix)
-    prefill = Proc("prefill", "--tp", "2", "--etcd", etcd_endpoint, "--etcd-prefix", key_prefix,
-                   "--lease-ttl", "30", "--instance-id", "pre-tp")
+    prefill = await tp2_prefill(etcd_endpoint, key_prefix, etcd, "pre-tp")
     try:
-        prefill.wait_ready()
-        assert await etcd.get(layout.instance("pre-tp")) is not None
         (rank1,) = rank_children(prefill.proc.pid)
         os.kill(rank1, signal.SIGKILL)
         # Gone from etcd at once (the lease is revoked), not after its 30 s TTL.
@@ -168,11 +180,8 @@ async def test_a_clean_stop_with_ranks_is_not_taken_for_a_dead_rank(
     """SIGTERM to the process group (``cluster down``) or to the leader alone: exit 0, and the
     lease revoked at once, however the ranks end around the leader's own stop."""
     layout = KeyLayout(prefix=key_prefix)
-    prefill = Proc("prefill", "--tp", "2", "--etcd", etcd_endpoint, "--etcd-prefix", key_prefix,
-                   "--lease-ttl", "30", "--instance-id", "pre-stop")
+    prefill = await tp2_prefill(etcd_endpoint, key_prefix, etcd, "pre-stop")
     try:
-        prefill.wait_ready()
-        assert await etcd.get(layout.instance("pre-stop")) is not None
         if whole_group:
             os.killpg(prefill.proc.pid, signal.SIGTERM)
         else:

@@ -1,6 +1,7 @@
 """`kvatlas cluster up|status|down` with real processes: nothing is left running afterwards."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -125,12 +127,24 @@ def _wait_ready(run_dir: Path, proc: subprocess.Popen[bytes]) -> ClusterState:
     raise AssertionError(f"the foreground `cluster up` exited early ({proc.wait()})")
 
 
-def test_ctrl_c_on_a_foreground_up_stops_everything(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+@contextlib.contextmanager
+def foreground_up(run_dir: Path, stderr: int = subprocess.PIPE
+                  ) -> Iterator[subprocess.Popen[bytes]]:
+    """A foreground ``cluster up``; whatever happens, nothing of it is left afterwards."""
     proc = subprocess.Popen([sys.executable, "-m", "kvatlas", "cluster", "up", *FAST,
                              "--router-port", str(free_port()), "--run-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=stderr)
     try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kvatlas("cluster", "down", "--run-dir", str(run_dir))
+
+
+def test_ctrl_c_on_a_foreground_up_stops_everything(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    with foreground_up(run_dir) as proc:
         state = _wait_ready(run_dir, proc)
         assert len(state.processes) == 4
         proc.send_signal(signal.SIGINT)
@@ -138,21 +152,14 @@ def test_ctrl_c_on_a_foreground_up_stops_everything(tmp_path: Path) -> None:
         assert proc.returncode == 0
         assert b"nothing left running" in out
         assert _all_gone(state) == []
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        kvatlas("cluster", "down", "--run-dir", str(run_dir))
 
 
 def test_signals_at_once_and_twice_still_stop_everything(tmp_path: Path) -> None:
     """SIGTERM the moment the cluster says it runs, and again during the stop: the stop is
     neither skipped nor cut short, so nothing is left in the processes' own sessions."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "kvatlas", "cluster", "up", *FAST,
-                             "--router-port", str(free_port()), "--run-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    try:
+    with foreground_up(run_dir, stderr=subprocess.DEVNULL) as proc:
+        assert proc.stdout is not None
         for line in proc.stdout:
             if b"Ctrl-C stops everything" in line:
                 break
@@ -163,19 +170,12 @@ def test_signals_at_once_and_twice_still_stop_everything(tmp_path: Path) -> None
         assert proc.returncode == 0 and b"nothing left running" in out
         state = ClusterState.load(run_dir)
         assert len(state.processes) == 4 and _all_gone(state) == []
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        kvatlas("cluster", "down", "--run-dir", str(run_dir))
 
 
 def test_ctrl_c_while_starting_stops_what_started(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "kvatlas", "cluster", "up", *FAST,
-                             "--router-port", str(free_port()), "--run-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stderr is not None
-    try:
+    with foreground_up(run_dir) as proc:
+        assert proc.stderr is not None
         for line in proc.stderr:
             if b"ready" in line:  # etcd is up; the instances are still starting
                 break
@@ -187,10 +187,6 @@ def test_ctrl_c_while_starting_stops_what_started(tmp_path: Path) -> None:
             (proc.returncode, b"nothing left running" in out) == (0, True), (out, err)
         state = ClusterState.load(run_dir)
         assert state.processes and _all_gone(state) == []
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        kvatlas("cluster", "down", "--run-dir", str(run_dir))
 
 
 def test_a_failed_start_names_the_process_and_leaves_nothing(tmp_path: Path) -> None:
