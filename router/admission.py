@@ -30,7 +30,8 @@ class Admission:
 
     @property
     def queued(self) -> int:
-        return sum(1 for w in self._waiters if not w.done())
+        # A waiter leaves the deque as soon as it is handed a slot or gives up.
+        return len(self._waiters)
 
     async def enter(self) -> None:
         """Take a slot, waiting in the queue if need be; Overloaded when there is none."""
@@ -56,20 +57,14 @@ class Admission:
 
     def leave(self) -> None:
         """Give the slot back: to the longest waiter, if any, else to the pool."""
-        while self._waiters:
-            slot = self._waiters.popleft()
-            if not slot.done():
-                slot.set_result(None)  # handed over: in_flight stays the same
-                return
-        self.in_flight -= 1
+        if self._waiters:
+            self._waiters.popleft().set_result(None)  # handed over: in_flight stays the same
+        else:
+            self.in_flight -= 1
 
     def _give_up(self, slot: asyncio.Future[None]) -> None:
-        if slot.done() and not slot.cancelled():
+        if slot.done():
             # The slot was handed over just as this request stopped waiting: pass it on.
             self.leave()
         else:
-            slot.cancel()
-        try:
             self._waiters.remove(slot)
-        except ValueError:
-            pass

@@ -68,18 +68,18 @@ async def _proxy(svc: Services, request: Request, kind: str,
     except UnknownModel as exc:
         return json_error(404, str(exc), rid)
     admission = svc.admission
-    if admission.limit <= 0:
-        return await svc.dispatcher.forward(request, path, path, parsed,
-                                            forward_headers(request, rid), rid)
-    try:
-        await admission.enter()
-    except Overloaded as exc:
-        return json_error(exc.status, str(exc), rid)
+    limited = admission.limit > 0  # without a limit nothing is counted
+    if limited:
+        try:
+            await admission.enter()
+        except Overloaded as exc:
+            return json_error(exc.status, str(exc), rid)
     try:
         return await svc.dispatcher.forward(request, path, path, parsed,
                                             forward_headers(request, rid), rid)
     finally:
-        admission.leave()
+        if limited:
+            admission.leave()
 
 
 async def generate(svc: Services, request: Request) -> Response | Stream:
