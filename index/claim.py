@@ -34,7 +34,8 @@ async def ensure_id_free(client: EtcdClient, key: bytes, instance_id: str,
     loop = asyncio.get_running_loop()
     try:
         kv = await client.get(key)
-        if kv is None or not kv.lease or _record(kv.value).get("source") != source:
+        doc = _record(kv.value) if kv is not None else {}
+        if kv is None or not kv.lease or doc.get("source") != source:
             return
         remaining, granted = await client.lease_ttls(kv.lease)
         replied = loop.time()
@@ -54,11 +55,11 @@ async def ensure_id_free(client: EtcdClient, key: bytes, instance_id: str,
     # `asked - replied` seconds passed: a lease nobody renewed now reads below
     # remaining + 1 - that, so reading as much or more proves a renewal.
     renewed = again >= remaining + SLACK_S - (asked - replied)
-    address = _address(kv.value)
+    address = _address(doc)
     # The holder's address settles it where the record names one: this process has not bound
     # its own ports yet, so whatever answers there is the holder.
     if renewed and (address is None or await _listens(*address)):
-        raise InstanceIdInUse(instance_id, kv.lease, _holder(kv.value))
+        raise InstanceIdInUse(instance_id, kv.lease, _holder(doc))
     logger.info("instance id %s: its previous holder is gone; taking over", instance_id)
 
 
@@ -70,9 +71,8 @@ def _record(value: bytes) -> dict[str, object]:
     return doc if isinstance(doc, dict) else {}
 
 
-def _address(value: bytes) -> tuple[str, int] | None:
+def _address(doc: dict[str, object]) -> tuple[str, int] | None:
     """Where the record's holder serves: its HTTP url, else its bootstrap server."""
-    doc = _record(value)
     url = doc.get("url")
     if isinstance(url, str):
         parts = urlsplit(url)
@@ -96,8 +96,7 @@ async def _listens(host: str, port: int, timeout: float = 1.0) -> bool:
     return True
 
 
-def _holder(value: bytes) -> str:
-    doc = _record(value)
+def _holder(doc: dict[str, object]) -> str:
     role = str(doc.get("role", "instance"))
-    address = _address(value)
+    address = _address(doc)
     return f"{role} at {address[0]}:{address[1]}" if address else role

@@ -34,13 +34,10 @@ class RankWatch:
         self.dead: BaseProcess | None = None
         """The first rank process that exited while the instance was serving."""
         self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self.children:
-            self._thread = threading.Thread(target=self._run, name="kvatlas-rank-watch",
-                                            daemon=True)
-            self._thread.start()
+            threading.Thread(target=self._run, name="kvatlas-rank-watch", daemon=True).start()
 
     def stop(self) -> None:
         """The instance is stopping on purpose (call it as the stop begins, before the ranks
