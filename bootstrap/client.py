@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from bootstrap.config import AUTH_TOKEN_ENV
 from bootstrap.errors import (
     BadResponse,
     BootstrapAuthError,
@@ -87,13 +88,13 @@ class BootstrapClientConfig:
                            help="seconds per bootstrap HTTP call (default %(default)s)")
         group.add_argument("--bootstrap-auth-token", default=None,
                            help="bearer token for POSTs to bootstrap servers "
-                                "(default: $KVATLAS_AUTH_TOKEN)")
+                                f"(default: ${AUTH_TOKEN_ENV})")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> BootstrapClientConfig:
         return cls(retry_interval_s=args.bootstrap_retry_interval, tries=args.bootstrap_tries,
                    timeout_s=args.bootstrap_timeout,
-                   auth_token=args.bootstrap_auth_token or os.environ.get("KVATLAS_AUTH_TOKEN")
+                   auth_token=args.bootstrap_auth_token or os.environ.get(AUTH_TOKEN_ENV)
                    or None)
 
 

@@ -9,7 +9,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
-from bootstrap.config import DEFAULT_PORT
+from bootstrap.config import AUTH_TOKEN_ENV, DEFAULT_PORT
 from engine.serve_config import EngineServerConfig
 from index.etcd import EtcdSettings
 from index.keys import validate_instance_id
@@ -17,7 +17,6 @@ from transfer import BACKENDS, TransferConfig
 from transfer.layout import DTYPES
 
 LOAD_BALANCE = ("follow_bootstrap_room", "round_robin")
-AUTH_TOKEN_ENV = "KVATLAS_AUTH_TOKEN"
 """Environment variable read when ``--auth-token`` is not given (keeps it out of ``ps``)."""
 WILDCARDS = ("0.0.0.0", "::", "")
 _ADDR = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
