@@ -12,8 +12,11 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from bootstrap.config import AUTH_TOKEN_ENV
 from index.keys import KeyLayout, validate_model
+from kvatlas.commands._common import ETCD_PASSWORD_ENV
 from kvatlas.etcd_proc import COMPACTION_ARGS, free_port
+from router.config import ADMIN_TOKEN_ENV
 
 ROLES = ("etcd", "prefill", "decode", "router")
 ENGINE_MODES = ("pd", "monolithic")
@@ -21,8 +24,8 @@ ENGINE_MODES = ("pd", "monolithic")
 # Flags whose values are addresses (differ between networks) or secrets (differ per cluster).
 ADDRESS_FLAGS = frozenset({"--host", "--port", "--bootstrap-port", "--etcd", "--advertise-host",
                            "--decode", "--prefill"})
-SECRET_ENV = {"--auth-token": "KVATLAS_AUTH_TOKEN", "--admin-token": "KVATLAS_ADMIN_TOKEN",
-              "--etcd-password": "KVATLAS_ETCD_PASSWORD"}
+SECRET_ENV = {"--auth-token": AUTH_TOKEN_ENV, "--admin-token": ADMIN_TOKEN_ENV,
+              "--etcd-password": ETCD_PASSWORD_ENV}
 """Secret flags and the environment variables each process reads them from instead."""
 SECRET_FLAGS = frozenset(SECRET_ENV)
 
