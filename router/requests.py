@@ -60,25 +60,67 @@ _DIGITS = bytes(0x30 if 0x30 <= i <= 0x39 else 0x78 for i in range(256))
 _LONG_INT = b"0" * 19
 
 
+MAX_DEPTH = 256
+"""Deepest nesting of arrays and objects a body may have. Why a bound: the standard parser and
+``json.dumps`` (which re-serializes a body that already carries bootstrap fields) recurse per
+level, and Python's recursion limit (1000) would turn a deep body into a 500."""
+
+NOT_UTF8 = "is not UTF-8; send JSON encoded as UTF-8 (RFC 8259)"
+"""The reason given for a body in another encoding, word for word the engine's too: a client
+gets the same answer from the router and from a worker."""
+_WIDE_BOMS = (b"\x00\x00\xfe\xff", b"\xff\xfe", b"\xfe\xff")  # UTF-32-BE, UTF-16/32-LE, UTF-16-BE
+
+
 def load_json(raw: bytes) -> dict[str, Any]:
+    """The JSON object in ``raw``; BadRequest for anything else (empty, not UTF-8, not JSON,
+    NaN/Infinity, nested deeper than MAX_DEPTH, not an object)."""
     if not raw:
         raise BadRequest("body", "is empty; send a JSON object")
     body: Any = None
     if _LONG_INT not in raw.translate(_DIGITS):
-        # orjson is strict (refuses NaN/Infinity, invalid UTF-8) and several times faster.
+        # orjson is strict (refuses NaN/Infinity, invalid UTF-8, NUL bytes, depth over 1024)
+        # and several times faster: what it parses needs no further encoding check.
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            pass  # the standard parser decides, with its messages (it also takes UTF-16/32)
+            pass  # the standard parser decides, with its messages
     if body is None:
-        try:
-            # NaN/Infinity are Python extensions a strict worker would refuse: never forward.
-            body = json.loads(raw, parse_constant=_no_constants)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise BadRequest("body", f"not valid JSON ({exc})") from None
+        body = _load_slow(raw)
     if not isinstance(body, dict):
         raise BadRequest("body", f"must be a JSON object, got {type(body).__name__}")
+    # Depth n needs n opening brackets: a cheap count spares the walk for nearly every body.
+    if len(raw) > 2 * MAX_DEPTH and raw.count(b"[") + raw.count(b"{") > MAX_DEPTH:
+        _check_depth(body)
     return body
+
+
+def _load_slow(raw: bytes) -> Any:
+    # json.loads(bytes) would guess UTF-16/32 and take them; workers refuse them, so the
+    # router does too. UTF-16/32 text of ASCII is valid UTF-8 with NULs: hence the NUL check.
+    if b"\x00" in raw[:4] or raw.startswith(_WIDE_BOMS):
+        raise BadRequest("body", NOT_UTF8)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("body", NOT_UTF8) from None
+    try:
+        # NaN/Infinity are Python extensions a strict worker would refuse: never forward.
+        return json.loads(text, parse_constant=_no_constants)
+    except ValueError as exc:
+        raise BadRequest("body", f"not valid JSON ({exc})") from None
+    except RecursionError:
+        raise BadRequest("body", f"JSON nested deeper than {MAX_DEPTH} levels") from None
+
+
+def _check_depth(body: Any) -> None:
+    """BadRequest when ``body`` nests deeper than MAX_DEPTH (iterative: no recursion)."""
+    level = [body]
+    for _ in range(MAX_DEPTH):
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c)
+                 if isinstance(v, (dict, list))]
+        if not level:
+            return
+    raise BadRequest("body", f"JSON nested deeper than {MAX_DEPTH} levels")
 
 
 def _ids(value: Any, field: str) -> list[int]:

@@ -82,7 +82,7 @@ def parse_instance_record(instance_id: str, raw: bytes) -> dict[str, Any] | None
     """The router's view of one instance record, or None (with a log line) when unusable."""
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         logger.warning("instance %s: record is not JSON; ignored", instance_id)
         return None
     if not isinstance(doc, dict):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -45,6 +46,15 @@ CASES = [
      b"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_completion_tokens\": -1}",
      400, "max_completion_tokens"),
     ("/debug/route", b"nope", 400, "JSON"),
+    # Nesting: past orjson's depth (the standard parser's RecursionError), with a long int
+    # (the standard parser at once), and within orjson's depth but deep enough for json.dumps
+    # (a body carrying bootstrap fields is re-serialized) to recurse past Python's limit.
+    ("/generate", b'{"text": "a", "x": ' + b"[" * 1500 + b"]" * 1500 + b"}", 400, "nested"),
+    ("/generate", b'{"text": "a", "n": 12345678901234567890123, "x": ' + b"[" * 1500
+     + b"]" * 1500 + b"}", 400, "nested"),
+    ("/generate", b'{"text": "a", "bootstrap_room": 1, "x": ' + b"[" * 1000 + b"]" * 1000
+     + b"}", 400, "nested"),
+    ("/debug/route", b'{"text": "a", "x": ' + b"[" * 1500 + b"]" * 1500 + b"}", 400, "nested"),
 ]
 
 
@@ -63,6 +73,34 @@ async def test_bad_body(setup: Any, path: str, raw: bytes, status: int, needle: 
     body = await resp.json()
     assert needle in body["error"], body
     assert not p.bodies and not d.bodies
+
+
+NOT_UTF8 = "body: is not UTF-8; send JSON encoded as UTF-8 (RFC 8259)"
+"""The workers' answer too, word for word."""
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32",
+                                      "utf-32-le", "utf-32-be", "latin-1"])
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/debug/route"])
+async def test_body_not_in_utf8_is_refused_as_the_workers_do(setup: Any, path: str,
+                                                               encoding: str) -> None:
+    client, p, d = setup
+    raw = json.dumps({"text": "caf\u00e9", "prompt": "caf\u00e9"},
+                     ensure_ascii=False).encode(encoding)
+    resp = await client.post(path, data=raw, headers={"content-type": "application/json"})
+    assert resp.status == 400
+    assert (await resp.json())["error"] == NOT_UTF8
+    assert not p.bodies and not d.bodies
+
+
+async def test_deep_admin_body_is_400(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d], admin_token="s3cret-admin-token")
+    auth = {"authorization": "Bearer s3cret-admin-token"}
+    deep = b'{"url": "http://127.0.0.1:1", "x": ' + b"[" * 3000 + b"]" * 3000 + b"}"
+    for method in ("POST", "DELETE"):
+        resp = await client.request(method, "/workers", data=deep, headers=auth)
+        assert resp.status == 400 and "nested" in (await resp.json())["error"]
 
 
 async def test_body_over_limit_is_413(setup: Any) -> None:

@@ -92,6 +92,7 @@ async def test_records_ignored_when_unusable(start_router: Any, etcd: Any, layou
     # Records present before the router starts are picked up by the initial get.
     await etcd.put(layout.instance("nourl"), b'{"role": "prefill", "model": "tiny"}')
     await etcd.put(layout.instance("garbage"), b"not json")
+    await etcd.put(layout.instance("deep"), b"[" * 5000 + b"]" * 5000)  # RecursionError
     await etcd.put(layout.instance("other"), ('{"role": "prefill", "model": "big", "url": "%s"}'
                                               % p.url).encode())
     await etcd.put(layout.instance("good"), ('{"role": "prefill", "model": "tiny", "url": "%s"}'
