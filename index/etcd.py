@@ -31,8 +31,11 @@ from index.errors import (
 
 logger = logging.getLogger(__name__)
 
-# Large enough for a page of 10k block keys; etcd's own request limit is 1.5 MiB.
+# Sending: large enough for a page of 10k block keys; etcd's own request limit is 1.5 MiB.
 _MAX_MESSAGE = 64 * 1024 * 1024
+# Receiving: watch responses are not fragmented (see index.follow), so one revision arrives as one
+# message: 256 MiB holds the ~4M deletes of a lease revoke. Past it the follower reloads.
+_MAX_RECEIVE = 256 * 1024 * 1024
 _PAGE = 5000
 
 
@@ -116,6 +119,8 @@ class WatchBatch:
 
     revision: int
     events: list[WatchEvent] = field(default_factory=list)
+    created: bool = False
+    """etcd's first response on a new watch: it promises the stream, not that events arrive."""
 
 
 @dataclass(frozen=True)
@@ -232,7 +237,7 @@ class EtcdClient:
         if self._channel is not None:
             return
         options = [
-            ("grpc.max_receive_message_length", _MAX_MESSAGE),
+            ("grpc.max_receive_message_length", _MAX_RECEIVE),
             ("grpc.max_send_message_length", _MAX_MESSAGE),
             # etcd's default keepalive enforcement is 5 s; pinging every 10 s finds a dead member.
             ("grpc.keepalive_time_ms", 10_000),
@@ -427,7 +432,8 @@ class EtcdClient:
 
         With ``fragment``, etcd splits a response larger than its request limit (e.g. the deletes
         of a huge lease expiry) into parts; they are reassembled here, so each yielded batch is
-        still whole. Without it such a response can exceed the gRPC message limit.
+        still whole. etcd 3.5 takes time quadratic in the events per part to split (about 20 s
+        for 60k events), so followers leave it off (see ``index.follow``).
         """
         if self._channel is None:
             await self.connect()
@@ -468,7 +474,7 @@ class EtcdClient:
                         continue
                     if parts:
                         events, parts = parts + events, []
-                    yield WatchBatch(int(resp.header.revision), events)
+                    yield WatchBatch(int(resp.header.revision), events, bool(resp.created))
             raise EtcdUnavailable("watch stream ended", endpoint=self.endpoint, op="watch")
         finally:
             if ticker is not None:

@@ -2,10 +2,9 @@
 
 A ``BlockMirror`` reads every block key of one model (or of all models) at one revision, then
 watches from that revision + 1 and applies each put/delete to a ``BlockTable`` (the same structure
-the memory backend uses, so lookups cost the same). After a disconnect it resumes from the last
-applied revision + 1; when etcd has compacted that revision away it reloads everything. Instance
-death needs nothing special: etcd deletes the keys with the lease and the deletes arrive here as
-ordinary watch events.
+the memory backend uses, so lookups cost the same). The loop itself, with its resumes and reloads
+and its liveness, is ``index.follow.PrefixFollower``. Instance death needs nothing special: etcd
+deletes the keys with the lease and the deletes arrive here as ordinary watch events.
 
 Keys under the blocks prefix that are not exactly what a writer produces (not UTF-8, a hash that
 is not 16 lowercase hex digits, an invalid instance id, extra path segments) are counted in
@@ -20,21 +19,17 @@ progress notifications) and the last applied revision.
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
-from index.errors import EtcdCompacted, EtcdError, EtcdRequestError
-from index.etcd import EtcdClient, WatchBatch
+from index.etcd import EtcdClient, KeyValue, WatchEvent
+from index.follow import PrefixFollower
 from index.keys import KeyLayout, validate_instance_id, validate_model
-from index.lease import Backoff, cancel_and_wait
-from index.liveness import WatchLiveness
 from index.table import GPU, BlockTable
 from index.writer import parse_hash_tail
 
@@ -52,7 +47,7 @@ class BlockMirrorConfig:
     """Recent per-put lag samples kept for the p50/p99 of ``lag_stats()``."""
     stale_after: float = 3.0
     """Seconds without a watch response or a successful quorum read after which ``connected``
-    turns False (and a silent watch is reopened). Must exceed ``progress_every``."""
+    turns False (and a silent watch is answered with a reload). Must exceed ``progress_every``."""
 
     def __post_init__(self) -> None:
         if not 0.01 <= self.progress_every <= 60:
@@ -64,44 +59,26 @@ class BlockMirrorConfig:
                              f"got {self.stale_after}")
 
 
-class BlockMirror:
+class BlockMirror(PrefixFollower):
     """In-memory mirror of ``/blocks/{model}/`` (or of ``/blocks/`` when ``model`` is None)."""
 
     def __init__(self, client: EtcdClient, layout: KeyLayout, model: str | None = None,
                  config: BlockMirrorConfig | None = None) -> None:
-        self.client = client
-        self.layout = layout
         self.model = validate_model(model) if model is not None else None
         self.config = config or BlockMirrorConfig()
-        self.prefix = layout.blocks_prefix(model)
+        super().__init__(client, layout.blocks_prefix(model), f"block mirror {self.model}",
+                         self.config.stale_after, self.config.progress_every)
+        self.layout = layout
         self._root_len = len(layout.blocks_prefix())
         self.tables: dict[str, BlockTable] = {}
-        self.revision = 0
-        """Every event up to this etcd revision is applied."""
-        self.store_revision = 0
-        """The newest etcd revision this mirror has heard of."""
-        self.ready = False
-        self._ready = asyncio.Event()
-        self._advanced = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self._models: dict[bytes, str] = {}
         self._names: dict[bytes, str] = {}
         self._media: dict[bytes, str] = {}
         self._lags: deque[float] = deque(maxlen=self.config.lag_samples)
-        self.last_error: str | None = None
         self.puts = 0
         self.deletes = 0
-        self.batches = 0
-        self.reloads = 0
-        self.compactions = 0
-        self.resumes = 0
-        self.disconnects = 0
         self.bad_keys = 0
-        self.errors = 0
-        """Batches or reloads that failed unexpectedly (each answered with a reload)."""
         self._emptied = False
-        self.liveness = WatchLiveness(client, self.prefix, self.config.stale_after,
-                                      self.config.progress_every)
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -130,17 +107,6 @@ class BlockMirror:
     def instances(self, model: str | None = None) -> set[str]:
         return self.table(model).instances()
 
-    @property
-    def connected(self) -> bool:
-        """True while the watch answers and a quorum read succeeds; False after an etcd error,
-        while reconnecting, or when etcd lost quorum (the mirror then serves its last state)."""
-        return self.ready and self.liveness.connected
-
-    @property
-    def revision_lag(self) -> int:
-        """Revisions between etcd's newest known revision and the last applied one."""
-        return max(0, self.store_revision - self.revision)
-
     def lag_stats(self) -> dict[str, float]:
         """p50/p99/max of recent write-to-apply lags in seconds (needs synchronized clocks)."""
         if not self._lags:
@@ -166,128 +132,9 @@ class BlockMirror:
             "lag_s": self.lag_stats(), "last_error": self.last_error,
         }
 
-    async def wait_ready(self, timeout: float | None = None) -> bool:
-        """Wait for the first full load; False on timeout."""
-        try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+    # --- the follower's hooks ---------------------------------------------------------------
 
-    async def wait_revision(self, revision: int, timeout: float | None = None) -> bool:
-        """Wait until every event up to ``revision`` is applied; False on timeout.
-
-        ``revision`` should be one that changed a watched key (a writer's transaction revision):
-        only events move the applied revision forward.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.revision < revision:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            self._advanced.clear()
-            try:
-                await asyncio.wait_for(self._advanced.wait(), left)
-            except asyncio.TimeoutError:
-                return self.revision >= revision
-        return True
-
-    # --- lifecycle --------------------------------------------------------------------------
-
-    def start(self) -> asyncio.Task[None]:
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self.run(), name=f"block-mirror-{self.model}")
-        return self._task
-
-    async def close(self) -> None:
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-            self._task = None
-
-    async def run(self) -> None:
-        """Follow etcd until cancelled. Never raises on etcd trouble: resumes or reloads."""
-        probe = asyncio.create_task(self.liveness.probe(), name=f"block-mirror-probe-{self.model}")
-        try:
-            await self._follow()
-        finally:
-            # Not cancel()+gather(): on 3.11 the probe's wait_for can swallow a cancellation that
-            # lands as its read completes, and gather would then wait forever.
-            await cancel_and_wait(probe)
-
-    async def _follow(self) -> None:
-        backoff = Backoff()
-        reload = True
-        while True:
-            try:
-                if reload:
-                    await self.reload()
-                    reload = False
-                # aclosing: a batch that fails to apply must close the stream now, not at GC.
-                async with contextlib.aclosing(self._watch()) as watch:
-                    it = aiter(watch)
-                    while True:
-                        try:
-                            # Progress requests keep a healthy watch talking: silence means the
-                            # stream hangs without an error, so reopen it. (asyncio.timeout, not
-                            # wait_for: the generator must be cancelled in this task.)
-                            async with asyncio.timeout(self.config.stale_after):
-                                batch = await anext(it)
-                        except StopAsyncIteration:
-                            break
-                        self._on_batch(batch)
-                        backoff.reset()
-            except asyncio.CancelledError:
-                raise
-            except asyncio.TimeoutError:
-                self.disconnects += 1
-                self.liveness.broke()
-                self.last_error = f"watch silent for {self.config.stale_after:g} s"
-                logger.warning("block mirror %s: watch silent for %.1f s at revision %d; reopening",
-                               self.model, self.config.stale_after, self.revision)
-                self.resumes += 1
-            except EtcdCompacted as exc:
-                self.compactions += 1
-                logger.warning("block mirror %s: revision %d compacted (up to %d); reloading",
-                               self.model, self.revision + 1, exc.compact_revision)
-                reload = True
-            except EtcdRequestError as exc:
-                # RESOURCE_EXHAUSTED: a watch response larger than the gRPC message limit (a huge
-                # lease expiry without fragmenting). Resuming would hit the same response again.
-                self.disconnects += 1
-                self.liveness.broke()
-                self.last_error = str(exc)
-                reload = reload or "RESOURCE_EXHAUSTED" in str(exc)
-                logger.warning("block mirror %s: etcd refused the watch at revision %d (%s): %s",
-                               self.model, self.revision,
-                               "reloading" if reload else "resuming", exc)
-                await asyncio.sleep(backoff.next())
-            except EtcdError as exc:
-                self.disconnects += 1
-                self.liveness.broke()
-                self.last_error = str(exc)
-                logger.warning("block mirror %s: watch broke at revision %d, resuming: %s",
-                               self.model, self.revision, exc)
-                await asyncio.sleep(backoff.next())
-                if not reload:
-                    self.resumes += 1
-            except Exception as exc:
-                # A bug or an input nobody foresaw: the mirror may be half-applied, so start over
-                # from a snapshot rather than die while ``ready`` still says True.
-                self.errors += 1
-                self.liveness.broke()
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                logger.exception("block mirror %s: failed at revision %d; reloading",
-                                 self.model, self.revision)
-                reload = True
-                await asyncio.sleep(backoff.next())
-
-    def _watch(self) -> AsyncIterator[WatchBatch]:
-        return self.client.watch_prefix(self.prefix, self.revision + 1,
-                                        self.config.progress_every, fragment=True)
-
-    async def reload(self) -> None:
-        """Replace the whole mirror with a fresh snapshot (start-up and after compaction)."""
-        revision, kvs = await self.client.get_prefix(self.prefix)
+    def load(self, revision: int, kvs: list[KeyValue]) -> None:
         # Interned names start over: a reload is when caches of the vanished can go.
         self._models, self._names, self._media = {}, {}, {}
         groups: dict[tuple[str, str, str], list[int]] = {}
@@ -307,35 +154,13 @@ class BlockMirror:
             tables.setdefault(self.model, BlockTable())
         # Swap at once: lookups see either the old or the new state, never a half-built one.
         self.tables = tables
-        self.revision = revision
-        self.store_revision = max(self.store_revision, revision)
-        self.reloads += 1
-        self.ready = True
-        self.liveness.heard()
-        self._ready.set()
-        self._advanced.set()
-        logger.info("block mirror %s loaded %d keys at revision %d", self.model, len(kvs), revision)
+
+    def apply(self, events: list[WatchEvent]) -> None:
+        self._apply(events)
+        if self._emptied:
+            self._prune()
 
     # --- applying watch events --------------------------------------------------------------
-
-    def _on_batch(self, batch: WatchBatch) -> None:
-        # Only events move ``revision`` (the resume point). Progress notifications and the
-        # "created" response only tell etcd's head: before etcd 3.5.8 a progress notification can
-        # overtake events of lower revisions still on their way (etcd issue 15220), so trusting
-        # it could make a resume skip them.
-        self.store_revision = max(self.store_revision, batch.revision)
-        self.liveness.heard()
-        if batch.events:
-            self.batches += 1
-            self._apply(batch)
-            revs = [getattr(ev, "mod_revision", 0) for ev in batch.events]
-            # Without per-event revisions the header revision is the best available; it is exact
-            # except for catch-up responses spanning more than 1,000 revisions.
-            rev = max(revs) if all(revs) else batch.revision
-            self.revision = max(self.revision, rev)
-            self._advanced.set()
-            if self._emptied:
-                self._prune()
 
     def _prune(self) -> None:
         """Forget caches of instances and models that hold no blocks any more."""
@@ -348,12 +173,12 @@ class BlockMirror:
         self._names = {raw: n for raw, n in self._names.items() if n in live}
         self._models = {raw: m for raw, m in self._models.items() if m in self.tables}
 
-    def _apply(self, batch: WatchBatch) -> None:
+    def _apply(self, events: list[WatchEvent]) -> None:
         # Consecutive events of one kind for one instance are applied as one table call.
         run_key: tuple[bool, str, str, str] | None = None
         run: list[int] = []
         stamps: list[float] = []
-        for ev in batch.events:
+        for ev in events:
             parsed = self._parse(ev.key)
             if parsed is None:
                 continue
