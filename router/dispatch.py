@@ -85,7 +85,7 @@ class Dispatcher:
                     return json_error(503, str(exc), request_id, role=exc.role)
                 break
             p = pair.prefill.worker
-            body, rooms = inject(parsed, p.bootstrap_host, p.bootstrap_port, state.rng)
+            body, rooms = inject(parsed, p.bootstrap_host, p.bootstrap_port)
             state.on_routed(pair)
             result = await self._attempt(request, path, pair, body, wire_headers, parsed.stream,
                                          request_id)

@@ -8,7 +8,7 @@ validate them.
 from __future__ import annotations
 
 import json
-import random
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,31 +269,30 @@ def parse_any(body: dict[str, Any], max_tokens: int) -> Parsed:
     return parse_generate(body, max_tokens)
 
 
-def new_room(rng: random.Random) -> int:
+def new_room() -> int:
     """A bootstrap room, uniform in [1, 2^63-1] (0 is avoided: some engines treat it as unset).
 
-    ``rng.randint(1, MAX_ROOM)`` without its argument checks: the same draws from ``rng``."""
-    r = rng.getrandbits(63)
-    while r >= MAX_ROOM:
-        r = rng.getrandbits(63)
-    return r + 1
+    From the OS's CSPRNG, never a seeded ``random.Random``: rooms are echoed to clients, and a
+    Mersenne Twister's next draws follow from ~700 of its past ones, which would let a client
+    predict (and pre-empt) other requests' rooms."""
+    return secrets.randbelow(MAX_ROOM) + 1
 
 
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
-def inject(parsed: Parsed, host: str | None, port: int | None,
-           rng: random.Random) -> tuple[bytes, list[int]]:
+def inject(parsed: Parsed, host: str | None,
+           port: int | None) -> tuple[bytes, list[int]]:
     """The body to send to both sides, with bootstrap fields (lists for a batch), and its rooms."""
     if parsed.batch is None:
-        room = new_room(rng)
+        room = new_room()
         rooms = [room]
         fields: dict[str, Any] = {"bootstrap_host": host, "bootstrap_port": port,
                                   "bootstrap_room": room}
     else:
-        rooms = [new_room(rng) for _ in range(parsed.batch)]
+        rooms = [new_room() for _ in range(parsed.batch)]
         while len(set(rooms)) < len(rooms):
-            rooms = [new_room(rng) for _ in range(parsed.batch)]
+            rooms = [new_room() for _ in range(parsed.batch)]
         fields = {"bootstrap_host": [host] * parsed.batch,
                   "bootstrap_port": [port] * parsed.batch, "bootstrap_room": rooms}
     raw = parsed.raw
