@@ -5,6 +5,11 @@ One attempt fails as a whole, and is retried with a new pair and a new room, whe
 fails (transport error or 5xx: 502, counted against the prefill's breaker only), or when the
 decode fails by transport or answers 408/429/500/502/503/504. Nothing is retried once the first
 byte of a stream went to the client.
+
+A client that goes away (its connection closes, and the server cancels the handler) is not a
+worker failure: both upstream requests are dropped, which is how an engine learns to abort, the
+hang-up is counted as ``client_disconnects`` and no breaker hears of it. Users pressing "stop"
+must not open a decode's circuit.
 """
 from __future__ import annotations
 
@@ -67,6 +72,18 @@ class Dispatcher:
 
     async def forward(self, request: Request, route: str, path: str, parsed: Parsed,
                       headers: dict[str, str], request_id: str) -> Response | Stream:
+        try:
+            return await self._forward(request, route, path, parsed, headers, request_id)
+        except asyncio.CancelledError:
+            # The server cancels a handler only when its client's connection closed; whatever
+            # phase it was in dropped its upstream calls on the way out.
+            m = self.state.metrics
+            m.child(m.client_disconnects, route).inc()
+            logger.info("client of %s went away before the answer was complete", request_id)
+            raise
+
+    async def _forward(self, request: Request, route: str, path: str, parsed: Parsed,
+                       headers: dict[str, str], request_id: str) -> Response | Stream:
         state, cfg = self.state, self.state.config
         ctx = RouteContext(parsed.prompts[0], parsed.model or cfg.model)
         wire_headers = encode_headers(headers)
@@ -162,7 +179,7 @@ class Dispatcher:
             decode.load -= 1
             resp.close()
             return self._prefill_failure(prefill, err)
-        return await self._stream(request, decode, resp, first, request_id, t0)
+        return await self._stream(request, decode, resp, first, request_id, t0, prefill_call)
 
     def _prefill_failure(self, prefill: Worker, err: str) -> Failure:
         return Failure(502, _err(f"prefill {prefill.instance_id} failed: {err}"),
@@ -190,8 +207,9 @@ class Dispatcher:
             decode_call.cancel()
 
     async def _stream(self, request: Request, decode: Worker, upstream: UpstreamResponse,
-                      first: bytes, request_id: str, t0: float) -> Stream:
-        ok = False
+                      first: bytes, request_id: str, t0: float,
+                      prefill_call: asyncio.Future[UpstreamResponse]) -> Stream:
+        ended = broken = False
         try:
             out = await request.stream(upstream.status, upstream.headers.get(
                 "content-type", "text/event-stream"),
@@ -201,22 +219,30 @@ class Dispatcher:
                 await out.write(chunk)
                 chunk = await upstream.read_chunk()
             await out.end()
-            ok = True
+            ended = True
         except UpstreamError as exc:
+            broken = True
             logger.warning("stream from decode %s broke after the first byte (not retried): %s",
                            decode.instance_id, exc)
             # Ending the chunked body cleanly would tell the client the answer is complete.
             request.abort()
         except ConnectionResetError:
+            # The client went away between two events (a cancellation, the other way the
+            # server tells it, goes up through forward, which counts it).
+            m = self.state.metrics
+            m.child(m.client_disconnects, request.path).inc()
             logger.info("client of %s went away mid-stream", request_id)
-            ok = True
         finally:
             decode.load -= 1
-            if ok:
+            if ended:
                 upstream.release()
+                _record(self.state, decode, 200)
             else:
+                # Closing both connections is how the engines learn to abort the request.
                 upstream.close()
-            _record(self.state, decode, 200 if ok else None, "stream")
+                _drop(prefill_call)
+                if broken:
+                    _record(self.state, decode, None, "stream")
             self.state.metrics.latency["decode"].observe(time.perf_counter() - t0)
         return out
 

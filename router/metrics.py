@@ -117,6 +117,11 @@ class RouterMetrics:
                                registry=r)
         self.upstream_errors = Counter("kvatlas_router_upstream_errors",
                                        "Failed upstream attempts", ["role", "reason"], registry=r)
+        self.client_disconnects = Counter("kvatlas_router_client_disconnects",
+                                          "Requests abandoned because the client's connection "
+                                          "closed before the answer was complete (both workers' "
+                                          "requests are dropped; no breaker counts it)",
+                                          ["route"], registry=r)
         self.breaker_state = Gauge("kvatlas_router_breaker_state",
                                    "Circuit state per worker (0 closed, 1 half-open, 2 open)",
                                    ["role", "instance"], registry=r)

@@ -30,6 +30,11 @@ class StubWorker:
         self.release_stream: asyncio.Event | None = None
         """When set, a stream pauses after its first chunk until this event is set."""
         self.fail_stream_after_first = False
+        self.hold: asyncio.Event | None = None
+        """When set, every request waits for this event before it is answered."""
+        self.cancelled = 0
+        """Requests whose connection the router closed before the answer was complete."""
+        self._cancelled_more = asyncio.Event()
         self.port = free_port()
         self.runner: web.AppRunner | None = None
 
@@ -46,7 +51,8 @@ class StubWorker:
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self._handle)
         app.router.add_get("/health", self._health)
-        self.runner = web.AppRunner(app)
+        # An engine aborts a request whose connection went away: so does the stub, and counts it.
+        self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
         return self
@@ -59,13 +65,29 @@ class StubWorker:
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": self.health_status == 200}, status=self.health_status)
 
+    async def wait_cancelled(self, n: int) -> None:
+        """Until the router has closed ``n`` requests' connections mid-answer."""
+        while self.cancelled < n:
+            self._cancelled_more.clear()
+            await self._cancelled_more.wait()
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
         self.headers.append(dict(request.headers))
+        try:
+            return await self._answer(request, body)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            self._cancelled_more.set()
+            raise
+
+    async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         status = self.statuses.pop(0) if self.statuses else 200
         if self.delay:
             await asyncio.sleep(self.delay)
+        if self.hold is not None:
+            await self.hold.wait()
         if status != 200:
             return web.json_response({"error": f"{self.name} scripted {status}"}, status=status)
         if self.role == "decode" and body.get("stream"):
@@ -126,6 +148,11 @@ class RouterClient:
 
     def delete(self, path: str, **kw: Any) -> Any:
         return self.request("DELETE", path, **kw)
+
+    async def metric_lines(self, name: str) -> list[str]:
+        """The /metrics sample lines of ``name`` (e.g. ``kvatlas_router_retries_total``)."""
+        text = await (await self.get("/metrics")).text()
+        return [line for line in text.splitlines() if line.startswith(name)]
 
     async def close(self) -> None:
         if self.session is not None:
