@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from router.client_ids import ClientRid, RidEcho, engine_rid
 from router.http.client import UpstreamError, UpstreamResponse
 from router.http.headers import encode_headers
 from router.http.server import Request, Response, Stream
@@ -71,9 +72,11 @@ class Dispatcher:
         self.upstreams = upstreams
 
     async def forward(self, request: Request, route: str, path: str, parsed: Parsed,
-                      headers: dict[str, str], request_id: str) -> Response | Stream:
+                      headers: dict[str, str], request_id: str,
+                      client_rid: ClientRid | None = None) -> Response | Stream:
         try:
-            return await self._forward(request, route, path, parsed, headers, request_id)
+            return await self._forward(request, route, path, parsed, headers, request_id,
+                                       client_rid)
         except asyncio.CancelledError:
             # The server cancels a handler only when its client's connection closed; whatever
             # phase it was in dropped its upstream calls on the way out.
@@ -83,12 +86,15 @@ class Dispatcher:
             raise
 
     async def _forward(self, request: Request, route: str, path: str, parsed: Parsed,
-                       headers: dict[str, str], request_id: str) -> Response | Stream:
+                       headers: dict[str, str], request_id: str,
+                       client_rid: ClientRid | None) -> Response | Stream:
         state, cfg = self.state, self.state.config
         ctx = RouteContext(parsed.prompts[0], parsed.model or cfg.model)
         wire_headers = encode_headers(headers)
         failed: set[str] = set()
         last: Failure | None = None
+        rid: ClientRid | None = None
+        echo: RidEcho | None = None
         for attempt in range(cfg.retry_max_attempts):
             if attempt:
                 state.metrics.child(state.metrics.retries, route).inc()
@@ -102,23 +108,27 @@ class Dispatcher:
                     return json_error(503, str(exc), request_id, role=exc.role)
                 break
             p = pair.prefill.worker
-            body, rooms = inject(parsed, p.bootstrap_host, p.bootstrap_port)
+            if client_rid is not None:
+                rid = engine_rid(client_rid)
+                echo = RidEcho(rid, client_rid)
+            body, rooms = inject(parsed, p.bootstrap_host, p.bootstrap_port, rid)
             state.on_routed(pair)
             result = await self._attempt(request, path, pair, body, wire_headers, parsed.stream,
-                                         request_id)
+                                         request_id, echo)
             if not isinstance(result, Failure):
                 return result
             last = result
             failed.add(result.failed)
-            logger.info("attempt %d of %s (room %d) failed with %d on %s", attempt + 1,
-                        request_id, rooms[0], result.status, result.failed)
+            logger.info("attempt %d of %s (room %d, rid %s for the client's %s) failed with %d "
+                        "on %s", attempt + 1, request_id, rooms[0], rid, client_rid,
+                        result.status, result.failed)
         assert last is not None
         return Response(last.status, last.body, last.content_type,
                         {"x-request-id": request_id})
 
     async def _attempt(self, request: Request, path: str, pair: Pair, body: bytes,
-                       headers: bytes, stream: bool,
-                       request_id: str) -> Response | Stream | Failure:
+                       headers: bytes, stream: bool, request_id: str,
+                       echo: RidEcho | None) -> Response | Stream | Failure:
         prefill, decode = pair.prefill.worker, pair.decode.worker
         prefill.requests += 1
         decode.requests += 1
@@ -172,6 +182,8 @@ class Dispatcher:
                 err = _prefill_error(prefill_call)
                 if err is not None:
                     return self._prefill_failure(prefill, err)
+            if echo is not None:
+                first = echo.whole(first)
             return Response(status, first, resp.content_type, {"x-request-id": request_id})
         err = _prefill_error(prefill_call)
         if err is not None:
@@ -179,7 +191,8 @@ class Dispatcher:
             decode.load -= 1
             resp.close()
             return self._prefill_failure(prefill, err)
-        return await self._stream(request, decode, resp, first, request_id, t0, prefill_call)
+        return await self._stream(request, decode, resp, first, request_id, t0, prefill_call,
+                                  echo)
 
     def _prefill_failure(self, prefill: Worker, err: str) -> Failure:
         return Failure(502, _err(f"prefill {prefill.instance_id} failed: {err}"),
@@ -208,7 +221,8 @@ class Dispatcher:
 
     async def _stream(self, request: Request, decode: Worker, upstream: UpstreamResponse,
                       first: bytes, request_id: str, t0: float,
-                      prefill_call: asyncio.Future[UpstreamResponse]) -> Stream:
+                      prefill_call: asyncio.Future[UpstreamResponse],
+                      echo: RidEcho | None) -> Stream:
         ended = broken = False
         try:
             out = await request.stream(upstream.status, upstream.headers.get(
@@ -216,8 +230,10 @@ class Dispatcher:
                 {"cache-control": "no-cache", "x-request-id": request_id})
             chunk = first
             while chunk:
-                await out.write(chunk)
+                await out.write(chunk if echo is None else echo.chunk(chunk))
                 chunk = await upstream.read_chunk()
+            if echo is not None:
+                await out.write(echo.rest())
             await out.end()
             ended = True
         except UpstreamError as exc:

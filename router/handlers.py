@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import hmac
-import itertools
 import logging
-import random
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from router.admission import Admission, Overloaded
+from router.client_ids import client_rid, new_request_id
 from router.config import parse_bootstrap_port
 from router.dispatch import HOP_HEADERS, Dispatcher, json_error
 from router.http.server import Request, Response, Stream, json_response
@@ -30,19 +29,20 @@ class Services:
     admission: Admission
 
 
-_RID_PREFIX = f"{random.getrandbits(64):016x}"
-_rid_counter = itertools.count(1)
+def _usable_id(value: str) -> bool:
+    """Fit to be a request id: it goes into log lines and a response header as it is."""
+    return 0 < len(value) <= 256 and value.isascii() and value.isprintable()
 
 
-def request_id_of(request: Request, names: tuple[str, ...] = ("x-request-id",)) -> str:
-    """The client's request id from the first of ``names`` it sent, else a new one."""
+def given_request_id(request: Request,
+                     names: tuple[str, ...] = ("x-request-id",)) -> str | None:
+    """The client's request id from the first of ``names`` it sent (None: it sent none)."""
     headers = request.headers
     for name in names:
         rid = headers.get(name, "")
-        if 0 < len(rid) <= 256 and rid.isprintable():
+        if _usable_id(rid):
             return rid
-    # Not a secret, only unique: a random per-process prefix and a counter.
-    return f"{_RID_PREFIX}{next(_rid_counter):016x}"
+    return None
 
 
 def forward_headers(request: Request, request_id: str) -> dict[str, str]:
@@ -57,16 +57,22 @@ def forward_headers(request: Request, request_id: str) -> dict[str, str]:
 async def _proxy(svc: Services, request: Request, kind: str,
                  path: str) -> Response | Stream:
     state = svc.state
-    rid = request_id_of(request, state.config.request_id_headers)
+    given = given_request_id(request, state.config.request_id_headers)
+    rid = given or new_request_id()
     try:
         raw = request.body
         parsed = PARSERS[kind](load_json(raw), state.config.max_tokens)
         parsed.raw = raw
+        crid = client_rid(parsed.body, parsed.batch)
         state.check_model(parsed.model)
     except BadRequest as exc:
         return json_error(exc.status, str(exc), rid)
     except UnknownModel as exc:
         return json_error(404, str(exc), rid)
+    if crid is not None and given is None and isinstance(crid, str) and _usable_id(crid):
+        # The client's own id names the request in logs and comes back in x-request-id; the
+        # engines get a unique one instead (router.client_ids).
+        rid = crid
     admission = svc.admission
     limited = admission.limit > 0  # without a limit nothing is counted
     if limited:
@@ -76,7 +82,7 @@ async def _proxy(svc: Services, request: Request, kind: str,
             return json_error(exc.status, str(exc), rid)
     try:
         return await svc.dispatcher.forward(request, path, path, parsed,
-                                            forward_headers(request, rid), rid)
+                                            forward_headers(request, rid), rid, crid)
     finally:
         if limited:
             admission.leave()

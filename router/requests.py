@@ -281,9 +281,10 @@ def new_room() -> int:
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
-def inject(parsed: Parsed, host: str | None,
-           port: int | None) -> tuple[bytes, list[int]]:
-    """The body to send to both sides, with bootstrap fields (lists for a batch), and its rooms."""
+def inject(parsed: Parsed, host: str | None, port: int | None,
+           rid: str | list[str] | None = None) -> tuple[bytes, list[int]]:
+    """The body to send to both sides, with bootstrap fields (lists for a batch), and its rooms;
+    ``rid``, when given, replaces the client's (see ``router.client_ids``)."""
     if parsed.batch is None:
         room = new_room()
         rooms = [room]
@@ -295,9 +296,11 @@ def inject(parsed: Parsed, host: str | None,
             rooms = [new_room() for _ in range(parsed.batch)]
         fields = {"bootstrap_host": [host] * parsed.batch,
                   "bootstrap_port": [port] * parsed.batch, "bootstrap_room": rooms}
+    if rid is not None:
+        fields["rid"] = rid  # the body has one: it is re-serialized below, not spliced
     raw = parsed.raw
     body = parsed.body
-    if (raw is not None and body and "bootstrap_host" not in body
+    if (rid is None and raw is not None and body and "bootstrap_host" not in body
             and "bootstrap_port" not in body and "bootstrap_room" not in body):
         head = raw.rstrip()
         if head.endswith(b"}"):

@@ -35,6 +35,8 @@ class StubWorker:
         self.cancelled = 0
         """Requests whose connection the router closed before the answer was complete."""
         self._cancelled_more = asyncio.Event()
+        self.in_flight: set[str] = set()
+        """The ``rid`` values being served: a second one in flight gets a 409, as engines do."""
         self.port = free_port()
         self.runner: web.AppRunner | None = None
 
@@ -75,12 +77,19 @@ class StubWorker:
         body = await request.json()
         self.bodies.append(body)
         self.headers.append(dict(request.headers))
+        rid = body.get("rid")
+        rids = [r for r in (rid if isinstance(rid, list) else [rid]) if isinstance(r, str)]
+        if self.in_flight.intersection(rids) or len(set(rids)) < len(rids):
+            return web.json_response({"error": f"rid {rid!r} is already in flight"}, status=409)
+        self.in_flight.update(rids)
         try:
             return await self._answer(request, body)
         except asyncio.CancelledError:
             self.cancelled += 1
             self._cancelled_more.set()
             raise
+        finally:
+            self.in_flight.difference_update(rids)
 
     async def _answer(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         status = self.statuses.pop(0) if self.statuses else 200
@@ -92,15 +101,20 @@ class StubWorker:
             return web.json_response({"error": f"{self.name} scripted {status}"}, status=status)
         if self.role == "decode" and body.get("stream"):
             return await self._stream(request, body)
+        rid = body.get("rid")
+        if isinstance(rid, list):  # a batch: one answer per item, as SGLang gives
+            return web.json_response([{"text": f"from {self.name}", "worker": self.name,
+                                       "meta_info": {"id": r}} for r in rid])
         return web.json_response({"text": f"from {self.name}", "worker": self.name,
                                   "room": body.get("bootstrap_room"),
-                                  "meta_info": {"id": request.headers.get("x-request-id")}})
+                                  "meta_info": {"id": rid or request.headers.get("x-request-id")}})
 
     async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(self.stream_chunks):
-            chunk = {"text": f"tok{i}", "worker": self.name, "room": body.get("bootstrap_room")}
+            chunk = {"text": f"tok{i}", "worker": self.name, "room": body.get("bootstrap_room"),
+                     "meta_info": {"id": body.get("rid")}}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if i == 0 and self.release_stream is not None:
                 await self.release_stream.wait()
