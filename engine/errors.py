@@ -1,5 +1,5 @@
 """Engine exceptions. Each carries what went wrong and what to change; the HTTP layer maps
-``BadRequest`` to 400 and ``CapacityError`` to 503."""
+``BadRequest`` to 400, ``DuplicateRequest`` to 409 and ``CapacityError`` to 503."""
 from __future__ import annotations
 
 
@@ -14,6 +14,17 @@ class BadRequest(EngineError):
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+
+
+class DuplicateRequest(EngineError):
+    """A request whose id is already in flight on this engine, or given twice in one batch
+    (HTTP 409). Refused before it touches anything: the request already running keeps its
+    pages, and the client (or the router) retries under a fresh id."""
+
+    def __init__(self, rid: str, within_batch: bool = False) -> None:
+        where = "twice in this batch" if within_batch else "already in flight on this engine"
+        super().__init__(f"rid: request id {rid!r} is {where}; give every request its own rid")
+        self.rid = rid
 
 
 class CapacityError(EngineError):

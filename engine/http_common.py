@@ -14,7 +14,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from engine.config import ModelConfig
-from engine.errors import BadRequest, CapacityError
+from engine.errors import BadRequest, CapacityError, DuplicateRequest, EngineError
 from engine.protocol import GenInput, load_json
 from engine.runner import AsyncEngine
 from engine.scheduler import RequestOutput
@@ -48,16 +48,23 @@ def json_error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+STATUS_OF: dict[type[EngineError], int] = {BadRequest: 400, DuplicateRequest: 409,
+                                           CapacityError: 503}
+"""The HTTP status of each engine error a client can cause (the one mapping, also used for
+the items of a PD batch)."""
+
+
+def error_status(exc: BaseException) -> int | None:
+    """The status ``exc`` maps to, or None for an error that is not the client's."""
+    return next((code for cls, code in STATUS_OF.items() if isinstance(exc, cls)), None)
+
+
 @web.middleware
 async def error_middleware(request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                            ) -> web.StreamResponse:
     try:
         return await handler(request)
-    except BadRequest as exc:
-        return json_error(400, str(exc))
-    except CapacityError as exc:
-        return json_error(503, str(exc))
     except web.HTTPException as exc:
         if exc.status >= 400 and exc.content_type != "application/json":
             return json_error(exc.status, exc.reason)
@@ -65,6 +72,8 @@ async def error_middleware(request: web.Request,
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as exc:  # the process never dies for one request
+        if (code := error_status(exc)) is not None:
+            return json_error(code, str(exc))
         log.exception("%s %s failed", request.method, request.path)
         return json_error(500, f"internal error: {type(exc).__name__}: {exc}")
 

@@ -53,6 +53,12 @@ class KVPool:
     def refcount(self, page: int) -> int:
         return self._refs[page]
 
+    @property
+    def total_refs(self) -> int:
+        """References held over all pages: 0 at rest, whatever was cached (a cached page no
+        request uses has none), so a leak shows here even when the free list looks fine."""
+        return sum(self._refs)
+
     def alloc(self, n: int) -> list[int]:
         """``n`` free pages, each with one reference; raises PoolExhausted."""
         if n > len(self._free):

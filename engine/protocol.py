@@ -206,9 +206,9 @@ def parse_generate(body: dict[str, Any], model: ModelConfig) -> tuple[list[GenIn
         raise BadRequest("sampling_params", f"must be an object, got {type(sp).__name__}")
     rid = body.get("rid")
     if batch:
+        # ids given twice are a 409 (DuplicateRequest) where the engine claims them
         if rid is not None and not (isinstance(rid, list) and len(rid) == len(prompts)
-                                    and all(isinstance(r, str) and r for r in rid)
-                                    and len(set(rid)) == len(rid)):
+                                    and all(isinstance(r, str) and r for r in rid)):
             raise BadRequest("rid", "for a batch, must be a list of distinct ids, one per prompt")
     elif rid is not None and not (isinstance(rid, str) and rid):
         raise BadRequest("rid", "must be a non-empty string")

@@ -9,14 +9,15 @@ optional sink (the ZMQ publisher) in the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from engine.config import ModelConfig
-from engine.errors import BadRequest
+from engine.errors import DuplicateRequest
 from engine.kv_pool import KVPool
 from engine.model import Transformer
 from engine.prefix_cache import PrefixCache
@@ -76,9 +77,33 @@ class AsyncEngine:
         self.events_published = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._claims: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+
+    @contextlib.contextmanager
+    def claim(self, rids: Sequence[str]) -> Iterator[None]:
+        """Hold ``rids`` as in flight for the block: a request (or batch) is refused whole with
+        DuplicateRequest, before it touches any page, when one of its ids is claimed or still
+        known to the engine, or appears twice in ``rids``.
+
+        A PD half's request lives longer than its ``generate``: a decode's reservation and
+        transfer come before it, a prefill's held pages and send after it. The claim covers that
+        whole life, so that two requests under one id never share the scheduler's per-id state
+        (held pages, reservations, aborts)."""
+        seen: set[str] = set()
+        for rid in rids:
+            if rid in seen:
+                raise DuplicateRequest(rid, within_batch=True)
+            if rid in self._claims or rid in self._queues:
+                raise DuplicateRequest(rid)
+            seen.add(rid)
+        self._claims |= seen
+        try:
+            yield
+        finally:
+            self._claims -= seen
 
     async def call(self, fn: Callable[..., object], *args: object) -> object:
         """Run ``fn(*args)`` in the engine thread, between steps (the only safe way to touch
@@ -136,25 +161,30 @@ class AsyncEngine:
 
         ``hold_pages`` keeps the pages after the end (``scheduler.release_held(rid)`` in
         ``call``). Raises CapacityError before yielding when the request can never fit,
-        BadRequest when ``rid`` is already in flight.
+        DuplicateRequest when ``rid`` is already in flight (a caller holding ``claim(rid)`` may
+        run it).
         """
         req = Request(rid or uuid.uuid4().hex, list(prompt), params, hold_pages=hold_pages)
-        async for out in self._run(req, lambda: self.scheduler.add(req)):
-            yield out
+        # closed explicitly: leaving this iterator early then aborts the request before
+        # ``aclose`` returns, instead of whenever the garbage collector finalizes ``_run``
+        async with contextlib.aclosing(self._run(req, lambda: self.scheduler.add(req))) as outs:
+            async for out in outs:
+                yield out
 
     async def generate_prefilled(self, req: Request, table: list[int], first_token: int
                                  ) -> AsyncIterator[RequestOutput]:
         """Decode ``req`` whose prompt K/V were written into ``table`` (from
         ``scheduler.reserve``), starting from the prefill's ``first_token``."""
-        async for out in self._run(
-                req, lambda: self.scheduler.add_prefilled(req, table, first_token)):
-            yield out
+        async with contextlib.aclosing(self._run(
+                req, lambda: self.scheduler.add_prefilled(req, table, first_token))) as outs:
+            async for out in outs:
+                yield out
 
     async def _run(self, req: Request, submit: Callable[[], RequestOutput | None]
                    ) -> AsyncIterator[RequestOutput]:
         rid = req.rid
         if rid in self._queues:
-            raise BadRequest("rid", f"request {rid!r} is already in flight")
+            raise DuplicateRequest(rid)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[rid] = queue
         finished = False
@@ -170,15 +200,22 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            self._queues.pop(rid, None)
-            if not finished and not self._stopping:
-                await asyncio.shield(self._abort(rid))
+            if finished or self._stopping:
+                self._queues.pop(rid, None)
+            else:
+                # The id stays taken until the scheduler has dropped the request: freed sooner,
+                # a new request under the same id could be queued first and be the one the
+                # scheduler's abort-by-id finds, while this one ran on unowned.
+                await asyncio.shield(asyncio.ensure_future(self._abort(rid, queue)))
 
-    async def _abort(self, rid: str) -> None:
+    async def _abort(self, rid: str, queue: asyncio.Queue[RequestOutput]) -> None:
         try:
             await self.call(self.scheduler.abort, rid)
         except RuntimeError:  # executor already shut down
             pass
+        finally:
+            if self._queues.get(rid) is queue:
+                del self._queues[rid]
 
     async def abort(self, rid: str) -> bool:
         out = await self.call(self.scheduler.abort, rid)

@@ -50,14 +50,17 @@ def meta_info(rid: str, out: RequestOutput, started: float) -> dict[str, Any]:
 async def generate(request: web.Request) -> web.StreamResponse:
     st = state(request)
     inputs, batch, stream = parse_generate(await read_body(request), st.model)
+    rids = []
     for gi in inputs:
         check_fits(st, gi)
         gi.rid = gi.rid or uuid.uuid4().hex
+        rids.append(gi.rid)
     started = time.monotonic()
-    if stream:
-        return await generate_stream(request, st, inputs[0], started)
-    results = await until_disconnected(
-        request, asyncio.gather(*(collect(st, gi) for gi in inputs)))
+    with st.engine.claim(rids):  # a batch is refused whole (409) before any item starts
+        if stream:
+            return await generate_stream(request, st, inputs[0], started)
+        results = await until_disconnected(
+            request, asyncio.gather(*(collect(st, gi) for gi in inputs)))
     bodies = [{"text": text, "output_ids": ids, "meta_info": meta_info(gi.rid or "", out, started)}
               for gi, (ids, text, out) in zip(inputs, results)]
     return web.json_response(bodies if batch else bodies[0])
@@ -68,7 +71,7 @@ async def generate_stream(request: web.Request, st: EngineState, gi: GenInput,
     ids: list[int] = []
     text = ""
     async with contextlib.aclosing(st.engine.generate(gi.prompt, gi.params, gi.rid)) as gen:
-        # the engine refuses a request (a rid already in flight: 400) when it is submitted, so
+        # the engine refuses a request (e.g. one it cannot fit) when it is submitted, so
         # submit before the 200 and the stream headers go out
         out: RequestOutput | None = await anext(gen)
         resp = await sse_response(request)
@@ -122,7 +125,9 @@ def server_info(st: EngineState) -> dict[str, Any]:
         "version": VERSION, "engine": "kvatlas",
         "internal_states": [{"waiting": len(sched.waiting), "running": len(sched.running),
                              "kv_pages_used": sched.cache.pages_in_use,
-                             "kv_pages_total": sched.pool.num_pages}],
+                             "kv_pages_total": sched.pool.num_pages,
+                             "kv_page_refs": sched.pool.total_refs,
+                             "held_requests": len(sched.held)}],
     }
 
 

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Sequence
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from engine.errors import BadRequest, CapacityError
-from engine.http_common import read_body, state
+from engine.errors import BadRequest
+from engine.http_common import error_status, read_body, state
 from engine.pd.common import Bootstrap, bootstrap_fields, json_error
 from engine.protocol import (GenInput, include_usage, parse_chat, parse_completion,
                              parse_generate)
@@ -86,10 +87,9 @@ def split_batch(body: dict[str, Any]) -> list[dict[str, Any]] | None:
                          "one room binds one KV transfer")
     rid = body.get("rid")
     if rid is not None and not (isinstance(rid, list) and all(isinstance(r, str) and r
-                                                             for r in rid)
-                                and len(set(rid)) == len(rid)):
-        # One id per prompt, as the monolithic server requires: items sharing an id would
-        # collide in the engine (one "already in flight", or one's pages taken for another's).
+                                                             for r in rid)):
+        # One id per prompt, as the monolithic server requires; an id given twice is a 409
+        # when the worker claims the batch's ids (AsyncEngine.claim)
         raise BadRequest("rid", "for a batch, must be a list of distinct ids, one per prompt")
     lists = {k: body[k] for k in PER_ITEM if isinstance(body.get(k), list)}
     for k, values in lists.items():
@@ -118,15 +118,21 @@ def _item(body: dict[str, Any], model: Any) -> PDItem:
     return PDItem(body, boot, inputs[0], stream)
 
 
+def item_ids(items: Sequence[PDItem], fresh: Callable[[], str] = lambda: uuid.uuid4().hex
+             ) -> list[str]:
+    """Each item's rid, filled in with ``fresh()`` where the client gave none (to claim them)."""
+    for item in items:
+        item.gen.rid = item.gen.rid or fresh()
+    return [item.gen.rid for item in items]
+
+
 async def answer_batch(calls: Sequence[Awaitable[web.StreamResponse]]) -> web.Response:
     """Run the items' calls together; their answers as one list, or the first failure's."""
     results = await asyncio.gather(*calls, return_exceptions=True)
     answers: list[Any] = []
     for i, res in enumerate(results):
-        if isinstance(res, BadRequest):
-            return json_error(400, f"batch item {i}: {res}", item=i)
-        if isinstance(res, CapacityError):
-            return json_error(503, f"batch item {i}: {res}", item=i)
+        if isinstance(res, BaseException) and (code := error_status(res)) is not None:
+            return json_error(code, f"batch item {i}: {res}", item=i)
         if isinstance(res, BaseException):
             raise res
         assert isinstance(res, web.Response) and isinstance(res.body, bytes)

@@ -16,7 +16,6 @@ import contextlib
 import logging
 import tempfile
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +28,8 @@ from engine import server as mono
 from engine.errors import BadRequest
 from engine.http_common import STATE_KEY, EngineState, sse_response, sse_send
 from engine.metrics import make_registry
-from engine.pd.batch import PDItem, answer_batch, read_openai_item, read_pd_items
+from engine.pd.batch import (PDItem, answer_batch, item_ids, read_openai_item,
+                             read_pd_items)
 from engine.pd.common import Bootstrap, json_error, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.fetch import DecodeRank, FetchError
@@ -72,9 +72,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     items, batch = await read_pd_items(request)
     for item in items:  # all refused before any room opens
         check_item(ds, item)
-    if not batch:
-        return await decode_item(request, ds, items[0])
-    return await answer_batch([decode_item(request, ds, item) for item in items])
+    # a duplicate id is refused before any page is reserved (409), and the claim lasts until
+    # the reservation is settled: the replica tracks reservations by id
+    with ds.engine.claim(item_ids(items)):
+        if not batch:
+            return await decode_item(request, ds, items[0])
+        return await answer_batch([decode_item(request, ds, item) for item in items])
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -90,7 +93,7 @@ async def serve_openai(request: web.Request, chat: bool) -> web.StreamResponse:
     ds = request.app[DECODE_KEY]
     item, with_usage = await read_openai_item(request, chat)
     check_item(ds, item)
-    item.gen.rid = item.gen.rid or openai_api.openai_rid(chat)
+    rids = item_ids([item], lambda: openai_api.openai_rid(chat))
 
     async def answer(req: Request, pages: list[int], result: ReceiveResult,
                      started: float) -> web.StreamResponse:
@@ -99,7 +102,8 @@ async def serve_openai(request: web.Request, chat: bool) -> web.StreamResponse:
                                         model=ds.cfg.engine.model_name, stream=item.stream,
                                         with_usage=with_usage, chat=chat)
 
-    return await decode_item(request, ds, item, answer)
+    with ds.engine.claim(rids):
+        return await decode_item(request, ds, item, answer)
 
 
 def check_item(ds: DecodeState, item: PDItem) -> None:
@@ -113,7 +117,8 @@ def check_item(ds: DecodeState, item: PDItem) -> None:
 async def decode_item(request: web.Request, ds: DecodeState, item: PDItem,
                       answer: Answer | None = None) -> web.StreamResponse:
     gi, boot = item.gen, item.boot
-    rid = gi.rid or uuid.uuid4().hex
+    rid = gi.rid
+    assert rid is not None  # given by the handler, which claims it
     rec = ds.rooms.open(boot.room, rid, boot.addr)
     if answer is None:
         async def answer(req: Request, pages: list[int], result: ReceiveResult,

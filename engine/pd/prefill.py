@@ -15,7 +15,6 @@ import itertools
 import logging
 import tempfile
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,7 +30,8 @@ from engine import server as mono
 from engine.errors import BadRequest, CapacityError
 from engine.http_common import STATE_KEY, EngineState
 from engine.metrics import make_registry
-from engine.pd.batch import PDItem, answer_batch, read_openai_item, read_pd_items
+from engine.pd.batch import (PDItem, answer_batch, item_ids, read_openai_item,
+                             read_pd_items)
 from engine.pd.common import Bootstrap, json_error, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.dist import Dist, RankInfo
@@ -95,22 +95,30 @@ RANKS_KEY = web.AppKey("pd_ranks", RankContext)
 async def generate(request: web.Request) -> web.StreamResponse:
     ps = request.app[PREFILL_KEY]
     items, batch = await read_pd_items(request)
-    if not batch:
-        return await prefill_item(ps, items[0])
     for item in items:  # all refused before any starts (a prefill keeps the prompt's KV only)
         ps.engine.scheduler.check_fits(len(item.gen.prompt), 1)
-    return await answer_batch([prefill_item(ps, item) for item in items])
+    return await prefill_items(ps, items, batch)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """OpenAI requests prefill exactly as /generate ones; the router reads only the status."""
     item, _ = await read_openai_item(request, chat=False)
-    return await prefill_item(request.app[PREFILL_KEY], item, request.path)
+    return await prefill_items(request.app[PREFILL_KEY], [item], False, request.path)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     item, _ = await read_openai_item(request, chat=True)
-    return await prefill_item(request.app[PREFILL_KEY], item, request.path)
+    return await prefill_items(request.app[PREFILL_KEY], [item], False, request.path)
+
+
+async def prefill_items(ps: PrefillState, items: list[PDItem], batch: bool,
+                        path: str = "/generate") -> web.Response:
+    # A duplicate id is refused (409) before any room or page is touched; the claim lasts
+    # until the held pages are given back, which the scheduler tracks by id.
+    with ps.engine.claim(item_ids(items)):
+        if not batch:
+            return await prefill_item(ps, items[0], path)
+        return await answer_batch([prefill_item(ps, item) for item in items])
 
 
 async def prefill_item(ps: PrefillState, item: PDItem, path: str = "/generate") -> web.Response:
@@ -121,7 +129,8 @@ async def prefill_item(ps: PrefillState, item: PDItem, path: str = "/generate") 
             return await forward(ps, dp, item.body, path)
     gi = item.gen
     ps.engine.scheduler.check_fits(len(gi.prompt), 1)  # a prefill keeps the prompt's KV only
-    return await prefill_one(ps, gi.prompt, gi.params, gi.rid or uuid.uuid4().hex, item.boot)
+    assert gi.rid is not None  # given and claimed by prefill_items
+    return await prefill_one(ps, gi.prompt, gi.params, gi.rid, item.boot)
 
 
 async def choose_dp(ps: PrefillState, boot: Bootstrap) -> int:

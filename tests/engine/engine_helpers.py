@@ -1,7 +1,11 @@
 """Shared helpers of the engine tests: prompt sets with shared prefixes and request builders."""
 from __future__ import annotations
 
+import asyncio
 import random
+import time
+from collections.abc import Callable
+from typing import Any
 
 from engine.sampling import SamplingParams
 from engine.scheduler import Request
@@ -25,3 +29,25 @@ def greedy(max_new_tokens: int = 6) -> SamplingParams:
 
 def requests(prompts: list[list[int]], params: SamplingParams, tag: str = "r") -> list[Request]:
     return [Request(f"{tag}{i}", list(p), params) for i, p in enumerate(prompts)]
+
+
+def assert_idle(sched: Any) -> None:
+    """The pool at rest: no request queued, running or holding pages, and no page referenced
+    (cached pages stay cached, but no reference is left on them)."""
+    assert not sched.waiting and not sched.running and not sched.held, (
+        len(sched.waiting), len(sched.running), list(sched.held))
+    assert sched.cache.pages_in_use == 0, sched.cache.pages_in_use
+    refs = {p: sched.pool.refcount(p) for p in range(sched.pool.num_pages)
+            if sched.pool.refcount(p)}
+    assert not refs, f"pages still referenced: {refs}"
+    cached = len(sched.cache.blocks())
+    assert sched.pool.num_free + cached == sched.pool.num_pages, (sched.pool.num_free, cached)
+
+
+async def wait_until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Poll ``cond`` (a state of the engine, read between its steps) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)

@@ -230,7 +230,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("/generate", {"text": "a", "stream": "yes"}, "stream: must be a boolean"),
     ("/generate", {"text": ["a", "b"], "stream": True}, "single prompt"),
     ("/generate", {"text": ["a", "b"], "rid": "same"}, "one per prompt"),
-    ("/generate", {"text": ["a", "b"], "rid": ["x", "x"]}, "distinct"),
+    ("/generate", {"text": ["a", "b"], "rid": ["x"]}, "distinct"),
     ("/generate", {"text": "a", "rid": 3}, "rid: must be a non-empty string"),
     ("/generate", [1, 2], "must be a JSON object"),
     ("/generate", b"{not json", "not valid JSON"),
@@ -273,7 +273,7 @@ async def test_abort_request_by_rid_and_duplicate_rid(aiohttp_client: Any) -> No
             break
         await asyncio.sleep(0.01)
     dup = await c.post("/generate", json=body)
-    assert dup.status == 400 and "already in flight" in (await dup.json())["error"]
+    assert dup.status == 409 and "already in flight" in (await dup.json())["error"]
     r = await c.post("/abort_request", json={"rid": "long-1"})
     assert await r.json() == {"rid": "long-1", "aborted": True}
     resp = await task

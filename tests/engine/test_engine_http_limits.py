@@ -1,6 +1,6 @@
 """The worker HTTP API under hostile or careless clients: hang-ups of non-streaming requests abort
-them, a refused streaming request is a 400 rather than an empty 200, deep JSON and huge bodies
-are 4xx, unsupported OpenAI fields are refused, and an odd temperature hurts no one."""
+them, a refused streaming request is a 4xx JSON answer rather than an empty 200, deep JSON and
+huge bodies are 4xx, unsupported OpenAI fields are refused, and an odd temperature hurts no one."""
 from __future__ import annotations
 
 import asyncio
@@ -61,7 +61,7 @@ async def test_client_hangup_aborts_a_non_streaming_request() -> None:
         await runner.cleanup()
 
 
-async def test_duplicate_rid_on_a_stream_is_a_400_json(aiohttp_client: Any) -> None:
+async def test_duplicate_rid_on_a_stream_is_a_409_json(aiohttp_client: Any) -> None:
     c = await client_for(aiohttp_client)
     sched = c.server.app[STATE_KEY].engine.scheduler
     body = {"text": "first", "rid": "dup-1", "stream": True, "sampling_params": LONG_SP}
@@ -70,7 +70,7 @@ async def test_duplicate_rid_on_a_stream_is_a_400_json(aiohttp_client: Any) -> N
     await first.content.readline()
     await wait_for(lambda: len(sched.running) == 1, "the first request running")
     dup = await c.post("/generate", json=body)
-    assert dup.status == 400 and dup.headers["Content-Type"].startswith("application/json")
+    assert dup.status == 409 and dup.headers["Content-Type"].startswith("application/json")
     assert "already in flight" in (await dup.json())["error"]
     r = await c.post("/abort_request", json={"rid": "dup-1"})
     assert await r.json() == {"rid": "dup-1", "aborted": True}
