@@ -13,7 +13,7 @@ from router.config import RouterConfig
 from router.kv_aware import KvAware
 from router.metrics import RouterMetrics
 from router.policy import PowerOfTwo, RouteContext, _sample_two
-from router.requests import BadRequest, inject, load_json, parse_generate
+from router.requests import NOT_UTF8, BadRequest, inject, load_json, parse_generate
 from router.tokenize import encode_text
 from tests.router.test_kv_aware import Clock, conversation, workers
 
@@ -112,8 +112,12 @@ def _stdlib(raw: bytes) -> object:
     def refuse(name: str) -> None:
         raise ValueError(f"{name} is not JSON")
     try:
-        body = json.loads(raw, parse_constant=refuse)
-    except (ValueError, UnicodeDecodeError) as exc:
+        text = raw.decode("utf-8")  # json.loads(bytes) would also take UTF-16/32: workers don't
+    except UnicodeDecodeError:
+        return NOT_UTF8
+    try:
+        body = json.loads(text, parse_constant=refuse)
+    except ValueError as exc:
         return f"not valid JSON ({exc})"
     return body if isinstance(body, dict) else f"must be a JSON object, got {type(body).__name__}"
 
