@@ -73,10 +73,15 @@ class RouterConfig:
     """Static decode worker URLs."""
     admin_token: str | None = None
     """Token required by POST/DELETE /workers (``Authorization: Bearer T``); None: admin off."""
-    max_body: int = 32 * 1024 * 1024
-    """Largest request body in bytes (413 above)."""
+    max_body: int = 8 << 20
+    """Largest request body in bytes (413 above). The reference engine's default
+    ``--max-request-bytes``: a body the router takes is one its workers take too."""
     max_tokens: int = 1 << 20
     """Largest max_new_tokens / max_tokens a request may ask for (400 above)."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt in tokens (400 above, before tokenizing ends or a worker is asked); the
+    workers' own limits apply as well, learned from their records or ``/server_info``
+    (router/limits.py). None: only the workers' limits."""
     block_size: int = 16
     """Tokens per KV block; must equal the engines' page size so hashes match."""
     overlap_weight: float = 2.0
@@ -170,6 +175,8 @@ class RouterConfig:
                 raise ValueError(f"{name} {value!r} is unknown: use one of {', '.join(POLICIES)}")
         self.prefill = [(check_url(u), parse_bootstrap_port(p)) for u, p in self.prefill]
         self.decode = [check_url(u) for u in self.decode]
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.admin_token is not None and len(self.admin_token) < 8:
             raise ValueError("admin token must be at least 8 characters")
         positive = ("max_body", "max_tokens", "block_size", "prediction_max_blocks",
@@ -241,7 +248,11 @@ class RouterConfig:
                             help=f"token for POST/DELETE /workers (default: ${ADMIN_TOKEN_ENV}, "
                                  "which keeps it out of ps; neither: admin disabled)")
         parser.add_argument("--max-body", "--max-payload-size", type=int, dest="max_body",
-                            default=d.max_body, help="bytes (413 above)")
+                            default=d.max_body,
+                            help=f"bytes (413 above; default {d.max_body}, the engine's)")
+        parser.add_argument("--max-prompt-tokens", type=int, default=None,
+                            help="longest prompt in tokens (400 above; default: the limits the "
+                                 "workers state in /server_info or their etcd record)")
         parser.add_argument("--block-size", type=int, default=d.block_size,
                             help="tokens per KV block (the engines' page size)")
         parser.add_argument("--overlap-weight", type=float, default=d.overlap_weight)
@@ -320,7 +331,8 @@ class RouterConfig:
             policy=args.policy, prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy, prefill=prefill, decode=list(args.decode),
             admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
-            max_body=args.max_body, block_size=args.block_size,
+            max_body=args.max_body, max_prompt_tokens=args.max_prompt_tokens,
+            block_size=args.block_size,
             overlap_weight=args.overlap_weight, temperature=args.temperature,
             prediction_ttl=args.prediction_ttl,
             prediction_catch_up=args.prediction_catch_up, work_half_life=args.work_half_life,

@@ -89,7 +89,7 @@ class Dispatcher:
                        headers: dict[str, str], request_id: str,
                        client_rid: ClientRid | None) -> Response | Stream:
         state, cfg = self.state, self.state.config
-        ctx = RouteContext(parsed.prompts[0], parsed.model or cfg.model)
+        ctx = RouteContext(parsed.prompts[0], parsed.model or cfg.model, parsed.hashes)
         wire_headers = encode_headers(headers)
         failed: set[str] = set()
         last: Failure | None = None

@@ -13,7 +13,7 @@ from router.config import parse_bootstrap_port
 from router.dispatch import HOP_HEADERS, Dispatcher, json_error
 from router.http.server import Request, Response, Stream, json_response
 from router.policy import RouteContext
-from router.requests import CHAT, COMPLETIONS, GENERATE, PARSERS, BadRequest, load_json, parse_any
+from router.requests import ANY, CHAT, COMPLETIONS, GENERATE, BadRequest, load_json, parse_body
 from router.state import NoWorkers, RouterState, UnknownModel
 from router.workers import DECODE, PREFILL, ROLES
 
@@ -60,9 +60,8 @@ async def _proxy(svc: Services, request: Request, kind: str,
     given = given_request_id(request, state.config.request_id_headers)
     rid = given or new_request_id()
     try:
-        raw = request.body
-        parsed = PARSERS[kind](load_json(raw), state.config.max_tokens)
-        parsed.raw = raw
+        parsed = await parse_body(kind, request.body, state.config.max_tokens,
+                                  state.pools.prompt_limits, state.config.block_size)
         crid = client_rid(parsed.body, parsed.batch)
         state.check_model(parsed.model)
     except BadRequest as exc:
@@ -103,7 +102,8 @@ async def chat(svc: Services, request: Request) -> Response | Stream:
 async def debug_route(svc: Services, request: Request) -> Response:
     state = svc.state
     try:
-        parsed = parse_any(load_json(request.body), state.config.max_tokens)
+        parsed = await parse_body(ANY, request.body, state.config.max_tokens,
+                                  state.pools.prompt_limits, state.config.block_size)
         state.check_model(parsed.model)
     except BadRequest as exc:
         return json_error(exc.status, str(exc))
@@ -111,7 +111,8 @@ async def debug_route(svc: Services, request: Request) -> Response:
         return json_error(404, str(exc))
     t0 = time.perf_counter()
     try:
-        ctx = RouteContext(parsed.prompts[0], parsed.model or state.config.model)
+        ctx = RouteContext(parsed.prompts[0], parsed.model or state.config.model,
+                           parsed.hashes)
         pair = state.select_pair(ctx)
     except NoWorkers as exc:
         return json_error(503, str(exc), role=exc.role)

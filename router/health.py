@@ -1,11 +1,16 @@
-"""Periodic health checks: ``GET {url}/health`` per worker, with thresholds both ways."""
+"""Periodic health checks: ``GET {url}/health`` per worker, with thresholds both ways.
+
+A worker that passes is also asked its ``/server_info`` once, for the longest prompt it takes
+(router/limits.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from router.config import RouterConfig
 from router.http.client import UpstreamError
+from router.limits import prompt_limit_of
 from router.upstreams import Upstreams
 from router.workers import Worker, WorkerPools
 
@@ -41,6 +46,8 @@ class HealthChecker:
         except (UpstreamError, asyncio.TimeoutError) as exc:
             logger.debug("health check of %s failed: %r", worker.url, exc)
         cfg = self.config
+        if ok and not worker.info_asked:
+            await self.ask_info(worker)
         if ok:
             worker.health_failures = 0
             worker.health_successes += 1
@@ -55,3 +62,26 @@ class HealthChecker:
                 logger.warning("%s worker %s is unhealthy (%d failed checks)", worker.role,
                                worker.instance_id, worker.health_failures)
         return ok
+
+    async def ask_info(self, worker: Worker) -> None:
+        """Learn ``worker``'s prompt limit from its /server_info; asked again next round when
+        it did not answer, never again when it answered without one (not every engine does)."""
+        try:
+            resp = await asyncio.wait_for(self.upstreams.of(worker).request(
+                "GET", "/server_info", {}, b""), self.config.health_timeout)
+            body = resp.take()
+            resp.release()
+        except (UpstreamError, asyncio.TimeoutError) as exc:
+            logger.debug("/server_info of %s: %r", worker.url, exc)
+            return
+        worker.info_asked = True
+        try:
+            info = json.loads(body) if resp.status == 200 else None
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            info = None
+        limit = prompt_limit_of(info, worker.instance_id)
+        if limit is not None and worker.prompt_limit is None:
+            # An etcd record's statement stays first: it names this very process.
+            logger.info("%s worker %s takes prompts of up to %d tokens", worker.role,
+                        worker.instance_id, limit.tokens)
+            self.pools.learned(worker, limit)

@@ -11,8 +11,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from index.hashing import BASE_SEED, block_hashes
 from router.prompt_hashes import PromptHasher
 from router.workers import Worker
+
+MAX_ROUTED_BLOCKS = 16384
+"""Blocks of a prompt that routing looks at: 262,144 tokens at 16 a block. The hashing, index
+lookups and predictions of every block of a longer prompt would hold the event loop for seconds
+(an 8 MiB prompt: 1.6 s, with health answers and etcd watches waiting); such a prompt is routed
+on this much of its prefix, as a shorter one is on all of it."""
+
+
+def routed_tokens(tokens: Any, block_size: int) -> Any:
+    """The leading tokens routing hashes (all of them, but for a huge prompt)."""
+    cap = MAX_ROUTED_BLOCKS * block_size
+    return tokens[:cap] if len(tokens) > cap else tokens
+
+
+def prompt_hashes(tokens: Any, block_size: int) -> tuple[int, list[int]]:
+    """(seed, hashes) of a base-model prompt, without the memo: safe to call from any thread,
+    as the request parser does for large bodies (``RouteContext.pre_hashed``)."""
+    return BASE_SEED, block_hashes(routed_tokens(tokens, block_size), block_size, BASE_SEED)
 
 
 @dataclass
@@ -23,12 +42,19 @@ class RouteContext:
     """Prompt token ids of the (first) prompt (a list or a uint32 array)."""
     model: str | None = None
     """Model whose hash namespace/index applies."""
+    pre_hashed: tuple[int, list[int]] | None = None
+    """(seed, hashes) computed before, off the event loop (``prompt_hashes``)."""
     _hashes: list[int] | None = None
 
     def hashes(self, hasher: PromptHasher, seed: int) -> list[int]:
         """The prompt's block hashes in namespace ``seed`` (computed once per request)."""
         if self._hashes is None:
-            self._hashes = hasher.hashes(self.tokens, seed)
+            pre = self.pre_hashed
+            if pre is not None and pre[0] == seed:
+                self._hashes = pre[1]
+            else:
+                self._hashes = hasher.hashes(routed_tokens(self.tokens, hasher.block_size),
+                                             seed)
         return self._hashes
 
 

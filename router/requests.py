@@ -7,14 +7,18 @@ validate them.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import orjson
 
+from router.limits import PromptLimit, PromptLimits
+from router.policy import prompt_hashes
 from router.tokenize import chat_text, encode_text
 
 GENERATE = "generate"
@@ -48,6 +52,9 @@ class Parsed:
     raw: bytes | None = None
     """The body as received (valid JSON, as parsed into ``body``); lets ``inject`` splice the
     bootstrap fields in instead of serializing the whole body again."""
+    hashes: tuple[int, list[int]] | None = None
+    """(seed, block hashes) of the first prompt, when a large body's were computed in the
+    parser's thread (``RouteContext.pre_hashed``)."""
 
 
 def _no_constants(name: str) -> Any:
@@ -123,9 +130,11 @@ def _check_depth(body: Any) -> None:
     raise BadRequest("body", f"JSON nested deeper than {MAX_DEPTH} levels")
 
 
-def _ids(value: Any, field: str) -> list[int]:
+def _ids(value: Any, field: str, limit: PromptLimit | None = None) -> list[int]:
     if not isinstance(value, list) or not value:
         raise BadRequest(field, "must be a non-empty list of token ids")
+    if limit is not None and len(value) > limit.tokens:
+        raise BadRequest(field, limit.reason(len(value)))
     for i, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int):
             raise BadRequest(f"{field}[{i}]", f"must be an integer, got {type(t).__name__}")
@@ -134,15 +143,22 @@ def _ids(value: Any, field: str) -> list[int]:
     return value
 
 
-def _text(value: Any, field: str) -> np.ndarray:
+def _text(value: Any, field: str, limit: PromptLimit | None = None) -> np.ndarray:
     if not isinstance(value, str):
         raise BadRequest(field, f"must be a string, got {type(value).__name__}")
     if not value:
         raise BadRequest(field, "must not be empty")
+    if limit is not None and len(value) >= limit.tokens:
+        # A character is at least one UTF-8 byte, so one token, and BOS comes first: refused
+        # from its length alone, before any encoding.
+        raise BadRequest(field, limit.reason(f"at least {len(value) + 1}"))
     try:
-        return encode_text(value)
+        ids = encode_text(value)
     except UnicodeEncodeError:
         raise BadRequest(field, "is not valid UTF-8 (contains a lone surrogate)") from None
+    if limit is not None and len(ids) > limit.tokens:
+        raise BadRequest(field, limit.reason(len(ids)))
+    return ids
 
 
 def _count(d: dict[str, Any], key: str, limit: int, prefix: str = "") -> None:
@@ -175,13 +191,14 @@ def _model(d: dict[str, Any]) -> str | None:
     return m or None
 
 
-def parse_generate(body: dict[str, Any], max_tokens: int) -> Parsed:
+def parse_generate(body: dict[str, Any], max_tokens: int,
+                   limit: PromptLimit | None = None) -> Parsed:
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise BadRequest("text", "give exactly one of text or input_ids (the prompt is missing)"
                          if text is None else "give exactly one of text or input_ids")
     batch: int | None = None
-    if text.__class__ is str and text:
+    if text.__class__ is str and text and limit is None:
         try:
             prompts = [encode_text(text)]
         except UnicodeEncodeError:
@@ -190,20 +207,21 @@ def parse_generate(body: dict[str, Any], max_tokens: int) -> Parsed:
         if isinstance(text, list):
             if not text:
                 raise BadRequest("text", "batch must not be empty")
-            prompts = [_text(t, f"text[{i}]") for i, t in enumerate(text)]
+            prompts = [_text(t, f"text[{i}]", limit) for i, t in enumerate(text)]
             batch = len(prompts)
         else:
-            prompts = [_text(text, "text")]
+            prompts = [_text(text, "text", limit)]
     else:
         if isinstance(ids, list) and ids and isinstance(ids[0], list):
-            prompts = [_ids(p, f"input_ids[{i}]") for i, p in enumerate(ids)]
+            prompts = [_ids(p, f"input_ids[{i}]", limit) for i, p in enumerate(ids)]
             batch = len(prompts)
         else:
-            prompts = [_ids(ids, "input_ids")]
+            prompts = [_ids(ids, "input_ids", limit)]
     sp = body.get("sampling_params")
     if sp is not None:
         if not isinstance(sp, dict):
             raise BadRequest("sampling_params", f"must be an object, got {type(sp).__name__}")
+        _one_sample(sp.get("n"), "sampling_params.n")
         for key in ("max_new_tokens", "min_new_tokens"):
             v = sp.get(key)
             # The usual small int passes without the full check (which gives the messages).
@@ -215,34 +233,36 @@ def parse_generate(body: dict[str, Any], max_tokens: int) -> Parsed:
     return Parsed(body, prompts, batch, stream, _model(body))
 
 
-def parse_completion(body: dict[str, Any], max_tokens: int) -> Parsed:
+def parse_completion(body: dict[str, Any], max_tokens: int,
+                     limit: PromptLimit | None = None) -> Parsed:
     prompt = body.get("prompt")
     if prompt is None:
         raise BadRequest("prompt", "is missing")
     batch: int | None = None
     if isinstance(prompt, str):
-        prompts = [_text(prompt, "prompt")]
+        prompts = [_text(prompt, "prompt", limit)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [_text(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        prompts = [_text(p, f"prompt[{i}]", limit) for i, p in enumerate(prompt)]
         batch = len(prompts) if len(prompts) > 1 else None
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        prompts = [_ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        prompts = [_ids(p, f"prompt[{i}]", limit) for i, p in enumerate(prompt)]
         batch = len(prompts) if len(prompts) > 1 else None
     else:
-        prompts = [_ids(prompt, "prompt")]
+        prompts = [_ids(prompt, "prompt", limit)]
     _openai_common(body, max_tokens)
     stream = _flag(body, "stream")
     return Parsed(body, prompts, batch, stream, _model(body))
 
 
-def parse_chat(body: dict[str, Any], max_tokens: int) -> Parsed:
+def parse_chat(body: dict[str, Any], max_tokens: int,
+               limit: PromptLimit | None = None) -> Parsed:
     messages = body.get("messages")
     if messages is None:
         raise BadRequest("messages", "is missing")
     if not isinstance(messages, list):
         raise BadRequest("messages", f"must be a list, got {type(messages).__name__}")
     try:
-        prompts = [_text(chat_text(messages), "messages")]
+        prompts = [_text(chat_text(messages), "messages", limit)]
     except ValueError as exc:
         raise BadRequest("messages", str(exc)) from None
     _openai_common(body, max_tokens)
@@ -252,21 +272,71 @@ def parse_chat(body: dict[str, Any], max_tokens: int) -> Parsed:
 def _openai_common(body: dict[str, Any], max_tokens: int) -> None:
     for key in ("max_tokens", "max_completion_tokens"):
         _count(body, key, max_tokens)
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or n > 128):
-        raise BadRequest("n", f"must be an integer in [1, 128], got {n!r}")
+    _one_sample(body.get("n"), "n")
 
 
-PARSERS = {GENERATE: parse_generate, COMPLETIONS: parse_completion, CHAT: parse_chat}
+def _one_sample(n: Any, field: str) -> None:
+    if n is None or n.__class__ is int and n == 1:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise BadRequest(field, f"must be a positive integer, got {n!r}")
+    # One bootstrap room is one prefill's KV for one decode: n samples would need n rooms,
+    # and sglang's PD engines refuse n > 1 too.
+    raise BadRequest(field, f"must be 1 (got {n}): prefill/decode disaggregation runs one "
+                            "sample per prompt; send the prompt n times instead")
 
 
-def parse_any(body: dict[str, Any], max_tokens: int) -> Parsed:
+def _parse_any(body: dict[str, Any], max_tokens: int,
+               limit: PromptLimit | None = None) -> Parsed:
     """For /debug/route: whichever prompt field the body carries."""
     if "messages" in body:
-        return parse_chat(body, max_tokens)
+        return parse_chat(body, max_tokens, limit)
     if "prompt" in body and "text" not in body and "input_ids" not in body:
-        return parse_completion(body, max_tokens)
-    return parse_generate(body, max_tokens)
+        return parse_completion(body, max_tokens, limit)
+    return parse_generate(body, max_tokens, limit)
+
+
+ANY = "any"
+PARSERS = {GENERATE: parse_generate, COMPLETIONS: parse_completion, CHAT: parse_chat,
+           ANY: _parse_any}
+
+OFF_LOOP_BYTES = 256 << 10
+"""Bodies larger than this are parsed, validated and tokenized in a thread, so that one huge
+body does not stall the event loop (health answers, etcd watches, every other request): the
+thread's Python work yields the GIL every few ms, the loop's own turns stay short. Smaller
+bodies take well under a millisecond: a thread hop would only add to their latency."""
+
+_parse_pool: ThreadPoolExecutor | None = None
+
+
+def parse_request(kind: str, raw: bytes, max_tokens: int, limits: PromptLimits | None = None,
+                  block_size: int | None = None) -> Parsed:
+    """``raw`` checked as a ``kind`` request (``ANY``: whichever fields it has), with its
+    prompt limit: that of the model it names. With ``block_size``, the first prompt's block
+    hashes are computed too."""
+    body = load_json(raw)
+    model = body.get("model")
+    limit = limits.of(model if model.__class__ is str else None) if limits else None
+    parsed = PARSERS[kind](body, max_tokens, limit)
+    parsed.raw = raw
+    if block_size is not None:
+        parsed.hashes = prompt_hashes(parsed.prompts[0], block_size)
+    return parsed
+
+
+async def parse_body(kind: str, raw: bytes, max_tokens: int, limits: PromptLimits | None,
+                     block_size: int) -> Parsed:
+    """``parse_request``; in a thread for a body over OFF_LOOP_BYTES, where the prompt's
+    block hashes are computed as well."""
+    if len(raw) <= OFF_LOOP_BYTES:
+        return parse_request(kind, raw, max_tokens, limits)
+    global _parse_pool
+    if _parse_pool is None:
+        # Its own two threads: huge bodies queue here, never in the default executor that
+        # upstream connects resolve names in.
+        _parse_pool = ThreadPoolExecutor(2, thread_name_prefix="router-parse")
+    return await asyncio.get_running_loop().run_in_executor(
+        _parse_pool, parse_request, kind, raw, max_tokens, limits, block_size)
 
 
 def new_room() -> int:

@@ -9,7 +9,8 @@ uses these fields:
 - ``model``: the served model (filtered against ``--model`` when given);
 - ``bootstrap_host`` / ``bootstrap_port``: where decodes find the prefill's bootstrap server
   (host defaults to the URL's host, port to None = the prefill's default 8998);
-- ``ready``: false keeps the worker in the pool but unselectable (e.g. ranks still registering).
+- ``ready``: false keeps the worker in the pool but unselectable (e.g. ranks still registering);
+- ``max_prompt_tokens`` / ``context_length``: the longest prompt it takes (see router/limits.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from urllib.parse import urlsplit
 
 from router.breaker import CircuitBreaker
 from router.config import RouterConfig, check_url, parse_bootstrap_port
+from router.limits import PromptLimit, PromptLimits, prompt_limit_of
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,10 @@ class Worker:
     shadowed_by: str | None = None
     """A static/admin worker whose URL an etcd instance also registered: the etcd entry (whose
     id matches the block index) serves instead, so the worker is not counted twice."""
+    prompt_limit: PromptLimit | None = None
+    """The longest prompt it takes, once known (its record or /server_info)."""
+    info_asked: bool = False
+    """Its /server_info was read (or is not served): the health checks ask only once."""
 
     def __post_init__(self) -> None:
         if self.bootstrap_host is None:
@@ -75,7 +81,8 @@ class Worker:
                 "model": self.model, "source": self.source, "ready": self.ready,
                 "healthy": self.healthy, "circuit": self.breaker.state, "load": self.load,
                 "requests": self.requests, "bootstrap_host": self.bootstrap_host,
-                "bootstrap_port": self.bootstrap_port, "shadowed_by": self.shadowed_by}
+                "bootstrap_port": self.bootstrap_port, "shadowed_by": self.shadowed_by,
+                "max_prompt_tokens": self.prompt_limit.tokens if self.prompt_limit else None}
 
 
 def parse_instance_record(instance_id: str, raw: bytes) -> dict[str, Any] | None:
@@ -120,6 +127,7 @@ class WorkerPools:
         """models() as of the last change to the pools (it is asked on every request)."""
         self.listeners: list[Any] = []
         """Callables ``(event, worker)`` told of "join", "leave" and "moved" (a new URL)."""
+        self.prompt_limits = PromptLimits(config.max_prompt_tokens)
 
     def new_breaker(self) -> CircuitBreaker:
         c = self.config
@@ -161,7 +169,11 @@ class WorkerPools:
             worker.record = record or {}
             if moved:
                 logger.info("%s worker %s moved to %s", role, iid, url)
+                worker.prompt_limit, worker.info_asked = None, False  # maybe another server
                 self._tell("moved", worker)
+        stated = prompt_limit_of(record, iid)
+        if stated is not None or worker.prompt_limit is None:
+            self.learned(worker, stated)
         if source == "etcd":
             for other in self.workers[role].values():
                 if other.source != "etcd" and other.url == url:
@@ -176,6 +188,7 @@ class WorkerPools:
                 if other.shadowed_by == instance_id:
                     other.shadowed_by = None
             logger.info("%s worker %s left", role, instance_id)
+            self.prompt_limits.rebuild(self.all())
             self._tell("leave", worker)
         return worker
 
@@ -187,6 +200,11 @@ class WorkerPools:
                 if w.url == url:
                     gone.append(self.remove(role, iid))
         return [w for w in gone if w is not None]
+
+    def learned(self, worker: Worker, limit: PromptLimit | None) -> None:
+        """``worker`` takes prompts up to ``limit`` (None: unknown)."""
+        worker.prompt_limit = limit
+        self.prompt_limits.rebuild(self.all())
 
     def all(self) -> list[Worker]:
         return self.pool(PREFILL) + self.pool(DECODE)

@@ -26,6 +26,8 @@ class StubWorker:
         """Scripted statuses, consumed one per request; 200 once empty."""
         self.delay = 0.0
         self.health_status = 200
+        self.server_info: dict[str, Any] | None = None
+        """What GET /server_info answers (404 when None)."""
         self.stream_chunks = 3
         self.release_stream: asyncio.Event | None = None
         """When set, a stream pauses after its first chunk until this event is set."""
@@ -53,6 +55,7 @@ class StubWorker:
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self._handle)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/server_info", self._server_info)
         # An engine aborts a request whose connection went away: so does the stub, and counts it.
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
@@ -66,6 +69,11 @@ class StubWorker:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": self.health_status == 200}, status=self.health_status)
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        if self.server_info is None:
+            return web.json_response({"error": "not found"}, status=404)
+        return web.json_response(self.server_info)
 
     async def wait_cancelled(self, n: int) -> None:
         """Until the router has closed ``n`` requests' connections mid-answer."""

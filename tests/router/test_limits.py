@@ -1,0 +1,183 @@
+"""Prompt and body limits: an over-long prompt is a 400 naming the limit, refused at the router
+before a worker sees it (the limit from --max-prompt-tokens, a worker's /server_info or its
+etcd record), and a huge body never stalls the router's event loop."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import pytest
+from etcd_instances import wait_for
+
+from router.config import RouterConfig
+from router.policy import MAX_ROUTED_BLOCKS, RouteContext, prompt_hashes
+from router.prompt_hashes import PromptHasher
+from router.requests import OFF_LOOP_BYTES
+
+CONTEXT = 2048
+"""The reference engine's context length: prompts of at most 2047 tokens."""
+
+
+async def limits_known(client: Any, tokens: int) -> None:
+    async def known() -> bool:
+        workers = await (await client.get("/workers")).json()
+        return all(w.get("max_prompt_tokens") == tokens
+                   for role in ("prefill", "decode") for w in workers[role])
+
+    await wait_for(known)
+
+
+def over(limit: int) -> list[tuple[str, dict[str, Any], str]]:
+    """(path, body, field) of prompts one token over ``limit`` (text gets BOS first)."""
+    return [("/generate", {"text": "a" * limit}, "text"),
+            ("/generate", {"text": "\u00e9" * (limit // 2)}, "text"),  # 2 bytes a character
+            ("/generate", {"input_ids": [1] * (limit + 1)}, "input_ids"),
+            ("/generate", {"text": ["ok", "a" * limit]}, "text[1]"),
+            ("/v1/completions", {"prompt": "a" * limit}, "prompt"),
+            ("/v1/completions", {"prompt": [[1] * (limit + 1)]}, "prompt[0]"),
+            ("/v1/chat/completions",
+             {"messages": [{"role": "user", "content": "a" * limit}]}, "messages")]
+
+
+async def test_max_prompt_tokens_flag(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d], max_prompt_tokens=100)
+    for path, body, field in over(100):
+        resp = await client.post(path, json=body)
+        assert resp.status == 400, (path, body)
+        error = (await resp.json())["error"]
+        assert error.startswith(f"{field}: prompt has ") and "at most 100" in error, error
+        assert "--max-prompt-tokens" in error, error
+    assert not p.bodies and not d.bodies
+    # At the limit: routed.
+    assert (await client.post("/generate", json={"text": "a" * 99})).status == 200
+    assert (await client.post("/generate", json={"input_ids": [1] * 100})).status == 200
+    assert len(d.bodies) == 2
+
+
+async def test_limit_learned_from_server_info(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    p.server_info = {"context_length": 64}
+    d.server_info = {"context_length": 32}  # the smaller one counts: both see the prompt
+    client = await make_router([p], [d])
+    async def learned() -> bool:
+        workers = await (await client.get("/workers")).json()
+        return [w["max_prompt_tokens"] for w in workers["prefill"] + workers["decode"]] \
+            == [63, 31]
+    await wait_for(learned)
+    resp = await client.post("/generate", json={"text": "a" * 31})
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert "prompt has at least 32 tokens; at most 31" in error, error
+    assert "context_length 32 of worker" in error, error
+    assert not p.bodies and not d.bodies
+    assert (await client.post("/generate", json={"text": "a" * 30})).status == 200
+    # A flag below what the workers take wins.
+    client = await make_router([p], [d], max_prompt_tokens=10)
+    await wait_for(learned)
+    resp = await client.post("/generate", json={"input_ids": [1] * 11})
+    assert resp.status == 400 and "at most 10" in (await resp.json())["error"]
+
+
+async def test_limit_learned_from_the_etcd_record(start_router: Any, etcd_settings: Any,
+                                                  key_prefix: str, stubs: Any,
+                                                  register: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    await register("pre", {"role": "prefill", "model": "tiny", "url": p.url,
+                           "context_length": 50})
+    await register("dec", {"role": "decode", "model": "tiny", "url": d.url,
+                           "max_prompt_tokens": 40})
+    client = await start_router(RouterConfig(etcd=etcd_settings, etcd_prefix=key_prefix,
+                                             model="tiny", health_interval=60.0))
+    await limits_known_each(client, {"pre": 49, "dec": 40})
+    resp = await client.post("/v1/completions", json={"prompt": [[1] * 41], "model": "tiny"})
+    assert resp.status == 400
+    assert "max_prompt_tokens of worker dec" in (await resp.json())["error"]
+    assert not p.bodies and not d.bodies
+
+
+async def limits_known_each(client: Any, want: dict[str, int]) -> None:
+    async def known() -> bool:
+        workers = await (await client.get("/workers")).json()
+        return {w["instance_id"]: w["max_prompt_tokens"]
+                for role in ("prefill", "decode") for w in workers[role]} == want
+
+    await wait_for(known)
+
+
+def _health_times(url: str, stop: threading.Event) -> list[float]:
+    """GET /health in turn until ``stop``, from a thread: a probe on the test's own event loop
+    (which the router shares) would not see the loop stall between its requests."""
+    parts = urlsplit(url)
+    times = []
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            conn.request("GET", "/health")
+            resp = conn.getresponse()
+            resp.read()
+            times.append(time.monotonic() - t0)
+            assert resp.status == 200
+            stop.wait(0.02)
+    finally:
+        conn.close()
+    return times
+
+
+@pytest.mark.parametrize("learned", [True, False], ids=["refused", "no-limit-known"])
+async def test_health_answers_within_a_second_while_a_huge_body_is_handled(
+        stubs: Any, make_router: Any, learned: bool) -> None:
+    """The issue's acceptance test: a 30 MB prompt used to cost seconds of router CPU on its
+    event loop, with /health stalled. Refused (the workers take 2047 tokens) it costs no
+    tokenizing nor hashing; where no limit is known it is parsed off the loop."""
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    if learned:
+        p.server_info = d.server_info = {"context_length": CONTEXT}
+    client = await make_router([p], [d], max_body=64 << 20)
+    if learned:
+        await limits_known(client, CONTEXT - 1)
+    huge = json.dumps({"text": "a" * (30 << 20)}).encode()
+    stop = threading.Event()
+    probe = asyncio.get_running_loop().run_in_executor(None, _health_times, client.url, stop)
+    resp = await client.post("/generate", data=huge,
+                             headers={"content-type": "application/json"})
+    status = resp.status
+    await resp.read()
+    stop.set()
+    times = await probe
+    if learned:
+        assert status == 400
+        assert not p.bodies and not d.bodies
+    assert max(times) < 1.0, times
+
+
+def test_hashes_made_off_the_loop_are_the_policys() -> None:
+    """A large body's prompt is hashed in the parser's thread: the very hashes kv_aware makes,
+    and, for a prompt over MAX_ROUTED_BLOCKS blocks, those of its routed prefix only."""
+    rng = np.random.default_rng(3)
+    for n in (5, 16 * 100 + 7, 16 * MAX_ROUTED_BLOCKS + 40):
+        tokens = rng.integers(0, 2**32, n, dtype=np.uint32)
+        seed, pre = prompt_hashes(tokens, 16)
+        ctx = RouteContext(tokens, None)
+        assert pre == ctx.hashes(PromptHasher(16), seed)
+        assert len(pre) == min(n // 16, MAX_ROUTED_BLOCKS)
+        assert RouteContext(tokens, None, (seed, pre)).hashes(PromptHasher(16), seed) is pre
+
+
+async def test_a_large_body_is_routed_like_a_small_one(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d], max_body=4 << 20)
+    text = "x" * (OFF_LOOP_BYTES + 1000)  # parsed in the thread
+    resp = await client.post("/debug/route", json={"text": text})
+    route = await resp.json()
+    assert route["prompt_tokens"] == len(text) + 1
+    assert route["prompt_blocks"] == min((len(text) + 1) // 16, MAX_ROUTED_BLOCKS)
+    resp = await client.post("/generate", json={"text": text})
+    assert resp.status == 200 and d.bodies[0]["text"] == text
