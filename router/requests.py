@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -19,13 +18,13 @@ import orjson
 
 from router.limits import PromptLimit, PromptLimits
 from router.policy import prompt_hashes
+from router.rooms import new_room
 from router.tokenize import chat_text, encode_text
 
 GENERATE = "generate"
 COMPLETIONS = "completions"
 CHAT = "chat"
 MAX_TOKEN_ID = 2**32 - 1
-MAX_ROOM = 2**63 - 1
 
 
 class BadRequest(Exception):
@@ -337,15 +336,6 @@ async def parse_body(kind: str, raw: bytes, max_tokens: int, limits: PromptLimit
         _parse_pool = ThreadPoolExecutor(2, thread_name_prefix="router-parse")
     return await asyncio.get_running_loop().run_in_executor(
         _parse_pool, parse_request, kind, raw, max_tokens, limits, block_size)
-
-
-def new_room() -> int:
-    """A bootstrap room, uniform in [1, 2^63-1] (0 is avoided: some engines treat it as unset).
-
-    From the OS's CSPRNG, never a seeded ``random.Random``: rooms are echoed to clients, and a
-    Mersenne Twister's next draws follow from ~700 of its past ones, which would let a client
-    predict (and pre-empt) other requests' rooms."""
-    return secrets.randbelow(MAX_ROOM) + 1
 
 
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")

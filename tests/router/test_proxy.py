@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from router.app import create_app
-from router.requests import MAX_ROOM
+from router.rooms import MAX_ROOM
 from router_stubs import router_config
 
 

@@ -3,10 +3,11 @@ OS's CSPRNG, never from the router's seeded ``random.Random`` (a Mersenne Twiste
 follow from a few hundred past ones)."""
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
-from router.requests import MAX_ROOM
+from router.rooms import MAX_ROOM, new_room
 
 
 def _mt_rooms(seed: int, n: int) -> list[int]:
@@ -40,3 +41,18 @@ async def test_rooms_are_spread_over_the_whole_range(stubs: Any, make_router: An
     assert len(set(rooms)) == 64 and all(1 <= r <= MAX_ROOM for r in rooms)
     # Each fails with probability 2^-64 for uniform draws.
     assert max(rooms) >= 2**62 and min(rooms) < 2**62
+
+
+def test_a_forked_child_draws_rooms_of_its_own() -> None:
+    """Rooms are drawn ahead in batches: a child must not inherit (and repeat) its parent's."""
+    new_room()  # the parent now holds a batch of rooms drawn ahead
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next rooms, to the parent, then out at once
+        os.write(write, b"%d %d" % (new_room(), new_room()))
+        os._exit(0)
+    os.close(write)
+    child = {int(x) for x in os.read(read, 100).split()}
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert len(child) == 2 and not child & {new_room(), new_room()}
