@@ -19,135 +19,30 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from http import HTTPStatus
-from typing import Any
-from urllib.parse import parse_qsl
 
 import httptools
 
 from router.http.headers import header_name
+from router.http.messages import Request, Response, Stream, json_response, response_head
+
+__all__ = ["HttpServer", "Request", "Response", "Stream", "json_response"]
 
 logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 << 10
+MAX_AHEAD_BYTES = 1 << 20
+"""Bytes of pipelined requests (bodies and headers, a partly received one included) a
+connection holds beyond the one being answered; past it the server stops reading until the
+answers catch up. Requests are answered in order, so reading further ahead only costs memory
+(8 pipelined 20 MB bodies held 160 MB and more)."""
+MAX_AHEAD_REQUESTS = 64
+"""Pipelined requests parsed ahead of the one being answered, at most (then reading pauses)."""
 LINGER_S = 2.0
 """How long a refused connection is drained after its error answer before it is closed."""
-_STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
-
-
-def _head(status: int, content_type: str | None, length: int | None,
-          headers: dict[str, str] | None, close: bool, chunked: bool = True) -> bytes:
-    """A response head; ``length`` None means a streamed body: chunked, or (HTTP/1.0 client)
-    delimited by closing the connection."""
-    line = _STATUS_LINES.get(status)
-    parts = [line if line is not None else b"HTTP/1.1 %d Unknown\r\n" % status]
-    if content_type is not None:
-        parts.append(b"content-type: %s\r\n" % content_type.encode("latin-1"))
-    if length is None:
-        if chunked:
-            parts.append(b"transfer-encoding: chunked\r\n")
-    else:
-        parts.append(b"content-length: %d\r\n" % length)
-    if headers:
-        for name, value in headers.items():
-            parts.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
-    if close:
-        parts.append(b"connection: close\r\n")
-    parts.append(b"\r\n")
-    return b"".join(parts)
 
 
 class _StopParsing(Exception):
     """Raised from a parser callback to stop parsing the rest of the buffer."""
-
-
-class Request:
-    """One parsed request; ``headers`` has lower-case names (the last of duplicates wins)."""
-
-    __slots__ = ("method", "path", "query_string", "headers", "body", "keep_alive", "http10",
-                 "_conn", "_query")
-
-    def __init__(self, method: str, path: str, query_string: str, headers: dict[str, str],
-                 body: bytes, keep_alive: bool, conn: HttpProtocol,
-                 http10: bool = False) -> None:
-        self.http10 = http10
-        self.method = method
-        self.path = path
-        self.query_string = query_string
-        self.headers = headers
-        self.body = body
-        self.keep_alive = keep_alive
-        self._conn = conn
-        self._query: dict[str, str] | None = None
-
-    @property
-    def query(self) -> dict[str, str]:
-        if self._query is None:
-            self._query = dict(parse_qsl(self.query_string, keep_blank_values=True))
-        return self._query
-
-    def abort(self) -> None:
-        """Drop the connection without finishing the answer (a broken upstream stream must
-        not look complete to the client)."""
-        self._conn.close()
-
-    async def stream(self, status: int, content_type: str,
-                     headers: dict[str, str] | None = None) -> Stream:
-        """Send the head of a streamed answer now; the handler writes the body and returns it.
-        Chunked for HTTP/1.1; an HTTP/1.0 client knows no chunks, so its body ends with the
-        connection."""
-        chunked = not self.http10
-        if not chunked:
-            self.keep_alive = False
-        stream = Stream(self._conn, chunked)
-        self._conn.streaming = True
-        self._conn.write(_head(status, content_type, None, headers, not chunked, chunked))
-        return stream
-
-
-class Response:
-    """A complete answer."""
-
-    __slots__ = ("status", "body", "content_type", "headers")
-
-    def __init__(self, status: int = 200, body: bytes = b"",
-                 content_type: str = "application/json",
-                 headers: dict[str, str] | None = None) -> None:
-        self.status = status
-        self.body = body
-        self.content_type = content_type
-        self.headers = headers
-
-
-def json_response(data: Any, status: int = 200,
-                  headers: dict[str, str] | None = None) -> Response:
-    return Response(status, json.dumps(data).encode(), "application/json", headers)
-
-
-class Stream:
-    """The body of a streamed answer. ``write`` waits while the client is not reading, and
-    raises ``ConnectionResetError`` once the client has gone away."""
-
-    __slots__ = ("_conn", "ended", "chunked")
-
-    def __init__(self, conn: HttpProtocol, chunked: bool = True) -> None:
-        self._conn = conn
-        self.ended = False
-        self.chunked = chunked
-
-    async def write(self, data: bytes) -> None:
-        if not data:
-            return
-        conn = self._conn
-        conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
-        await conn.drain()
-
-    async def end(self) -> None:
-        if not self.ended:
-            self.ended = True
-            if self.chunked:
-                self._conn.write(b"0\r\n\r\n")
-            await self._conn.drain()
 
 
 Handler = Callable[[Request], Awaitable["Response | Stream"]]
@@ -177,6 +72,10 @@ class HttpProtocol(asyncio.Protocol):
         self.receiving_since: float | None = None
         """When the request being received began (None between requests)."""
         self._paused: asyncio.Future[None] | None = None
+        self.reading_paused = False
+        """Reading stopped: pipelined requests ahead of the answers are past the bounds."""
+        self.queued_bytes = 0
+        """Bytes of the requests in ``queue`` (bodies and headers)."""
         self._url = b""
         self._headers: dict[str, str] = {}
         self._header_bytes = 0
@@ -266,6 +165,8 @@ class HttpProtocol(asyncio.Protocol):
             self._too_large()
             raise ValueError("body too large")
         self._body.append(body)
+        if (self.busy or self.queue) and not self.reading_paused:
+            self._check_ahead()
 
     def on_message_complete(self) -> None:
         self.receiving_since = None
@@ -279,7 +180,12 @@ class HttpProtocol(asyncio.Protocol):
         request = Request(parser.get_method().decode("latin-1"), url.path.decode("latin-1"),
                           url.query.decode("latin-1") if url.query else "", self._headers, body,
                           parser.should_keep_alive(), self, parser.get_http_version() == "1.0")
+        request.size += self._header_bytes
         self.queue.append(request)
+        self.queued_bytes += request.size
+        if not self.reading_paused and (self.queued_bytes > MAX_AHEAD_BYTES
+                                        or len(self.queue) > MAX_AHEAD_REQUESTS):
+            self._check_ahead()
         if self.task is None:
             # The server's loop, not asyncio.get_running_loop(): on CPython 3.11 that costs a
             # getpid() syscall per call.
@@ -292,6 +198,29 @@ class HttpProtocol(asyncio.Protocol):
             self.ignore_rest = True
             raise _StopParsing
 
+    # --- reading ahead ----------------------------------------------------------------------
+
+    @property
+    def ahead_bytes(self) -> int:
+        """Bytes held for requests not being answered: those queued, and the one being
+        received unless it is next (nothing before it is queued or being answered)."""
+        receiving = self._body_bytes + self._header_bytes if self.receiving_since else 0
+        return self.queued_bytes + (receiving if self.busy or self.queue else 0)
+
+    def _check_ahead(self) -> None:
+        """Pause reading while what is held ahead is past the bounds; resume once it is not."""
+        over = self.ahead_bytes > MAX_AHEAD_BYTES or len(self.queue) > MAX_AHEAD_REQUESTS
+        if over == self.reading_paused or self.closing or self.transport is None:
+            return
+        self.reading_paused = over
+        if over:
+            self.transport.pause_reading()
+        else:
+            self.transport.resume_reading()
+            if self.receiving_since is not None:
+                # The wait was the server's: the client's time to send runs from now.
+                self.receiving_since = time.monotonic()
+
     # --- answering --------------------------------------------------------------------------
 
     async def _serve(self) -> None:
@@ -300,6 +229,8 @@ class HttpProtocol(asyncio.Protocol):
             while not self.closing:
                 if not self.queue:
                     self.busy = False
+                    if self.reading_paused:
+                        self._check_ahead()
                     self.last_active = time.monotonic()
                     self._wakeup = self.loop.create_future()
                     await self._wakeup
@@ -307,6 +238,9 @@ class HttpProtocol(asyncio.Protocol):
                     continue
                 self.busy = True
                 request = self.queue.popleft()
+                self.queued_bytes -= request.size
+                if self.reading_paused:
+                    self._check_ahead()
                 self.streaming = False
                 try:
                     answer = await handler(request)
@@ -333,8 +267,10 @@ class HttpProtocol(asyncio.Protocol):
                         except ConnectionResetError:
                             return
                 else:
-                    self.write(_head(answer.status, answer.content_type, len(answer.body),
-                                     answer.headers, close) + answer.body)
+                    head = response_head(answer.status, answer.content_type, len(answer.body),
+                                         answer.headers, close)
+                    # HEAD: the very head of the GET answer, without its body (RFC 9110 9.3.2).
+                    self.write(head if request.method == "HEAD" else head + answer.body)
                 if close:
                     self.close()
                     return
@@ -388,7 +324,7 @@ class HttpProtocol(asyncio.Protocol):
         if self.closing:
             return
         body = json.dumps({"error": message}).encode()
-        self.write(_head(status, "application/json", len(body), None, True) + body)
+        self.write(response_head(status, "application/json", len(body), None, True) + body)
         self._linger()
         if self.server.on_reject is not None:
             self.server.on_reject(status)

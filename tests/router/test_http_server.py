@@ -16,7 +16,7 @@ import pytest
 import http_helpers
 from http_helpers import ServerStarted as Started
 from http_helpers import at_eof, connect, echo, read_response
-from router.http.server import MAX_HEADER_BYTES, Request, Response, json_response
+from router.http.server import MAX_AHEAD_BYTES, MAX_HEADER_BYTES, Request, Response, json_response
 
 serve = http_helpers.serve  # the fixture
 
@@ -64,6 +64,64 @@ async def test_pipelined_requests_are_answered_in_order(serve: Started) -> None:
     assert answers[1]["body"] == "abc"
     # One at a time: /b waited for /slow instead of overtaking it.
     assert order == ["/slow", "/b", "/c"]
+    writer.close()
+
+
+async def test_pipelined_bodies_wait_in_the_socket_not_in_the_server(serve: Started) -> None:
+    """Answers go out in order, so bodies read far ahead of them only cost memory (8 pipelined
+    20 MB bodies once held 323 MB): past MAX_AHEAD_BYTES the server stops reading."""
+    release = asyncio.Event()
+    ahead: list[int] = []  # bytes the server held ahead of each request as it was answered
+    queued: list[int] = []  # bytes of the requests queued behind it then
+    slack = (256 << 10) + 200  # one read (asyncio's and uvloop's size) and a head
+
+    async def handler(request: Request) -> Response:
+        (conn,) = server.connections
+        ahead.append(getattr(conn, "ahead_bytes", 0))
+        queued.append(sum(len(r.body) for r in conn.queue))
+        await release.wait()
+        return json_response({"path": request.path, "n": len(request.body)})
+
+    server, port = await serve(handler, max_body=4 << 20)
+    reader, writer = await connect(port)
+    body = b"x" * (2 << 20)
+    for i in range(8):
+        writer.write(b"POST /r%d HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n"
+                     % (i, len(body)) + body)
+    sent = asyncio.ensure_future(writer.drain())
+
+    async def paused() -> None:
+        while not (server.connections
+                   and getattr(next(iter(server.connections)), "reading_paused", False)):
+            await asyncio.sleep(0.01)
+
+    pause = asyncio.ensure_future(paused())
+    # Without a bound the server reads everything and the client's drain ends.
+    await asyncio.wait([sent, pause], timeout=30, return_when=asyncio.FIRST_COMPLETED)
+    (conn,) = server.connections
+    queued.append(sum(len(r.body) for r in conn.queue))
+    assert pause.done() and not sent.done(), f"read everything: {queued[-1]} bytes queued"
+    assert queued[-1] == 0 and conn.ahead_bytes <= MAX_AHEAD_BYTES + slack, conn.ahead_bytes
+    release.set()
+    for i in range(8):
+        status, _, got = await read_response(reader, timeout=30)
+        assert status == 200 and json.loads(got) == {"path": f"/r{i}", "n": len(body)}
+    await sent
+    assert len(ahead) == 8 and max(ahead) <= MAX_AHEAD_BYTES + slack, ahead
+    assert max(queued) <= MAX_AHEAD_BYTES + slack, queued
+    assert not conn.reading_paused
+    writer.close()
+
+
+async def test_head_gets_the_get_head_and_no_body(serve: Started) -> None:
+    _, port = await serve(echo)
+    reader, writer = await connect(port)
+    # Pipelined behind it, a GET: its answer must come right after the HEAD's head.
+    writer.write(b"HEAD /h HTTP/1.1\r\nhost: x\r\n\r\nGET /g HTTP/1.1\r\nhost: x\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+    assert head.startswith(b"HTTP/1.1 200 ") and b"content-length: " in head
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["path"] == "/g"
     writer.close()
 
 
