@@ -67,6 +67,11 @@ class RouterApp:
                 ("GET", "/metrics", handlers.metrics),
                 ("POST", "/debug/route", handlers.debug_route)):
             self.routes.setdefault(path, {})[method] = functools.partial(handler, svc)
+        for methods in self.routes.values():
+            if "GET" in methods:
+                # HEAD answers as GET does (the server leaves the body out): probes and load
+                # balancers check /health, /liveness and /readiness that way.
+                methods.setdefault("HEAD", methods["GET"])
 
     async def handle(self, request: Request) -> Response | Stream:
         """Route one request; every answer is counted by route and status."""

@@ -38,6 +38,14 @@ CASES = [
     ("/v1/completions", b"{\"prompt\": \"a\", \"max_tokens\": 99999999999}", 400, "absurd"),
     ("/v1/completions", b"{\"prompt\": \"a\", \"model\": 7}", 400, "model"),
     ("/v1/completions", b"{\"prompt\": \"a\", \"n\": 0}", 400, "n"),
+    # One bootstrap room per prompt: PD serves one sample each.
+    ("/v1/completions", b"{\"prompt\": \"a\", \"n\": 2}", 400, "n: must be 1 (got 2)"),
+    ("/v1/chat/completions", b"{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+     b"\"n\": 3}", 400, "n: must be 1 (got 3)"),
+    ("/generate", b"{\"text\": \"a\", \"sampling_params\": {\"n\": 4}}", 400,
+     "sampling_params.n: must be 1 (got 4)"),
+    ("/generate", b"{\"text\": \"a\", \"sampling_params\": {\"n\": \"2\"}}", 400,
+     "sampling_params.n"),
     ("/v1/chat/completions", b"{\"messages\": \"hi\"}", 400, "messages"),
     ("/v1/chat/completions", b"{}", 400, "messages"),
     ("/v1/chat/completions", b"{\"messages\": [5]}", 400, "messages[0]"),
@@ -158,3 +166,13 @@ async def test_unknown_path_and_method_are_json(setup: Any) -> None:
     assert resp.status == 405 and "error" in await resp.json()
     # The router is still fine afterwards.
     assert (await client.post("/generate", json={"text": "ok"})).status == 200
+
+
+async def test_one_sample_is_routed(setup: Any) -> None:
+    client, p, d = setup
+    for path, body in (("/generate", {"text": "a", "sampling_params": {"n": 1}}),
+                       ("/v1/completions", {"prompt": "a", "n": 1}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                 "n": 1})):
+        assert (await client.post(path, json=body)).status == 200, path
+    assert len(d.bodies) == 3

@@ -49,6 +49,21 @@ async def test_without_health_checks_workers_stay_healthy(stubs: Any, start_rout
     assert (await client.post("/generate", json={"text": "x"})).status == 200
 
 
+async def test_head_answers_as_get_without_a_body(stubs: Any, make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d])
+    for path in ("/health", "/liveness", "/readiness", "/v1/models"):
+        got = await client.get(path)
+        want = await got.read()
+        resp = await client.request("HEAD", path)
+        assert resp.status == got.status == 200, path
+        assert resp.headers["content-length"] == str(len(want)) and want
+        assert resp.headers["content-type"] == got.headers["content-type"]
+        assert await resp.read() == b""
+    resp = await client.request("HEAD", "/generate")
+    assert resp.status == 405
+
+
 def parse(argv: list[str]) -> RouterConfig:
     parser = argparse.ArgumentParser()
     RouterConfig.add_cli_args(parser)
@@ -67,7 +82,11 @@ def test_cli_mirrors_sglang_router_flags() -> None:
     assert cfg.effective_prefill_policy == "round_robin"
     assert cfg.effective_decode_policy == "random"
     d = parse([])
-    assert (d.host, d.port, d.max_body, d.health_interval) == ("127.0.0.1", 8000, 32 << 20, 5.0)
+    # The body limit is the reference engine's (--max-request-bytes): what passes the router
+    # passes a worker too.
+    assert (d.host, d.port, d.max_body, d.health_interval) == ("127.0.0.1", 8000, 8 << 20, 5.0)
+    assert d.max_prompt_tokens is None
+    assert parse(["--max-prompt-tokens", "2047"]).max_prompt_tokens == 2047
     assert d.effective_prefill_policy == "kv_aware" and d.effective_decode_policy == "power_of_two"
     assert (d.breaker_failure_threshold, d.breaker_timeout, d.breaker_success_threshold) == \
         (10, 60.0, 3)
@@ -119,6 +138,7 @@ def test_an_sglang_router_command_line_works_unchanged() -> None:
     ({"decode": ["http://h:99999"]}, "port"),
     ({"admin_token": "short"}, "admin token"),
     ({"max_body": 0}, "max_body"),
+    ({"max_prompt_tokens": 0}, "max_prompt_tokens"),
     ({"retry_jitter": 1.5}, "retry_jitter"),
     ({"client_read_timeout": 0}, "client_read_timeout must be > 0"),
     ({"prometheus_port": 70000}, "prometheus port"),
