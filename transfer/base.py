@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import argparse
 import enum
+import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from transfer.auth import check_key
+
+#: Where the KV transfer key comes from: the environment only, never a flag, since every user of a
+#: host can read command lines (``ps``).
+TRANSFER_KEY_ENV = "KVATLAS_TRANSFER_KEY"
 
 
 class TransferState(enum.IntEnum):
@@ -72,10 +79,12 @@ class TransferError(Exception):
                              else released_pages)
 
     @classmethod
-    def room_mismatch(cls, expected: int, actual: int, peer: str | None = None) -> "TransferError":
-        return cls(expected, f"bootstrap_room mismatch: expected {expected}, got {actual}; the sender "
-                   "bound another request's KV to this transfer (check the prefill's room -> request "
-                   "binding and the router's bootstrap_room injection); nothing was written",
+    def room_mismatch(cls, expected: int, actual: int, peer: str | None = None,
+                      detail: str = "") -> "TransferError":
+        return cls(expected, f"bootstrap_room mismatch: expected {expected}, got {actual}{detail}; "
+                   "the sender bound another request's KV to this transfer (check the prefill's "
+                   "room -> request binding and the router's bootstrap_room injection); that KV "
+                   "was not written, and the room's reserved pages are released uncommitted",
                    peer=peer, expected=expected, actual=actual)
 
     @classmethod
@@ -84,7 +93,8 @@ class TransferError(Exception):
         return cls(room, f"checksum mismatch{detail}: header says {expected:#018x}, received bytes "
                    f"hash to {actual:#018x}; the pages were corrupted in flight or changed while "
                    "being sent (check that the prefill keeps source pages pinned until the transfer "
-                   "succeeds); the chunk was not written", peer=peer, expected=expected, actual=actual)
+                   "succeeds); the chunk was not written, and the room's reserved pages are "
+                   "released uncommitted", peer=peer, expected=expected, actual=actual)
 
 
 _FORWARD = (TransferState.BOOTSTRAPPING, TransferState.WAITING_FOR_INPUT,
@@ -168,6 +178,14 @@ class TransferConfig:
     and copied from DRAM and were ~25% slower."""
     early_request_ttl_s: float = 300.0
     """Prefill: how long a decode's request for a room the prefill has not seen yet is kept."""
+    max_early_requests: int = 4096
+    """Prefill: at most this many requests and aborts for rooms it has not seen yet are kept
+    (each holds no page ids, only their count, so a few hundred bytes); beyond it a request is
+    answered with an abort instead of being stored."""
+    key: str | None = field(default=None, repr=False, metadata={"cli": False})
+    """The MAC key shared by every prefill and decode rank (see ``transfer.auth``); None: messages
+    are not authenticated (a warning at start-up). ``from_cli_args`` reads it from
+    ``$KVATLAS_TRANSFER_KEY``; there is no flag."""
 
     def __post_init__(self) -> None:
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s",
@@ -182,6 +200,14 @@ class TransferConfig:
         if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 4096:
             raise ValueError(f"TransferConfig.chunk_bytes must be an integer >= 4096, got "
                              f"{self.chunk_bytes!r}")
+        if not isinstance(self.max_early_requests, int) or self.max_early_requests < 1:
+            raise ValueError("TransferConfig.max_early_requests must be an integer >= 1, got "
+                             f"{self.max_early_requests!r}")
+        if self.key is not None:
+            try:
+                check_key(self.key)
+            except ValueError as e:
+                raise ValueError(f"TransferConfig.key (${TRANSFER_KEY_ENV}): {e}") from None
 
     @property
     def heartbeat_deadline_s(self) -> float:
@@ -191,18 +217,23 @@ class TransferConfig:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("KV transfer")
-        for f in fields(cls):
+        for f in _cli_fields(cls):
             flag = "--transfer-" + f.name.removesuffix("_s").replace("_", "-")
             group.add_argument(flag, dest=f"transfer_{f.name}", type=type(f.default),
                                default=f.default, help=f"(default {f.default})")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "TransferConfig":
-        return cls(**{f.name: getattr(args, f"transfer_{f.name}") for f in fields(cls)})
+        return cls(**{f.name: getattr(args, f"transfer_{f.name}") for f in _cli_fields(cls)},
+                   key=os.environ.get(TRANSFER_KEY_ENV) or None)
+
+
+def _cli_fields(cls: type) -> list[Any]:
+    return [f for f in fields(cls) if f.metadata.get("cli", True)]
 
 
 __all__ = ["TransferState", "TransferStatus", "TransferError", "InvalidTransition",
-           "TransferConfig", "host_identity"]
+           "TransferConfig", "TRANSFER_KEY_ENV", "host_identity"]
 
 
 def host_identity() -> str:

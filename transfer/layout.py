@@ -157,6 +157,11 @@ class PageSource(Protocol):
     ``[len(page_ids), page_size, heads, head_dim]`` and contiguous. The tensors must stay unchanged
     until the transfer succeeds or fails (the sender keeps references and may send zero-copy)."""
 
+    @property
+    def num_pages(self) -> int:
+        """Pages of the pool: no room's KV is longer, so a decode asking for more is refused."""
+        ...
+
     def read_pages(self, page_ids: Sequence[int], layers: Range, heads: Range) -> list[torch.Tensor]:
         ...
 
@@ -179,6 +184,10 @@ class TensorPageSource:
     def __init__(self, pool: torch.Tensor, layout: KVLayout) -> None:
         layout.check_pool(pool, "prefill KV pool")
         self.pool, self.layout = pool, layout
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.pool.shape[2])
 
     def read_pages(self, page_ids: Sequence[int], layers: Range, heads: Range) -> list[torch.Tensor]:
         lay = self.layout

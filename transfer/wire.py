@@ -11,10 +11,16 @@ Kinds, and who sends them (P = prefill rank / sender, D = decode rank / receiver
 layout or why it refuses), ``request`` D->P (room, transfer id, page ids to fill), ``pages`` P->D,
 ``final`` P->D (room, first output token, cached-token count), ``ack`` D->P (validated and
 written), ``abort`` either way, ``heartbeat`` either way (``reply`` true on the answer).
+
+With a transfer key (``transfer.auth``), the header also carries ``auth`` and a nonce ``n``, and a
+16-byte MAC over the header and the buffers follows as the last frame; it is checked before the
+message is decoded any further. v2: the MAC, and the decode's pool size and chunk limit in
+``register``.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -22,9 +28,11 @@ from typing import Any, ClassVar
 import msgpack
 import xxhash
 
+from transfer import auth as _auth
+from transfer.auth import TransferAuth
 from transfer.layout import KVLayout
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 CHECKSUM_XXH3 = "xxh3_64"
 #: Abort code: the prefill rank does not know this connection (it restarted); register again.
 ABORT_UNREGISTERED = "unregistered"
@@ -32,6 +40,37 @@ ABORT_UNREGISTERED = "unregistered"
 
 class WireError(ValueError):
     """A message that cannot be decoded: wrong version, unknown kind, missing or bad field."""
+
+
+class AuthError(WireError):
+    """A message whose MAC is missing, unexpected or wrong; ``kind`` is what it claimed to be."""
+
+    def __init__(self, message: str, head: dict[str, Any]) -> None:
+        super().__init__(message)
+        #: What the (unauthenticated) header claims: only to name and route the failure.
+        self.kind, self.transfer_id = head.get("kind"), head.get("transfer_id")
+
+
+#: Room for everything in a message besides its page bytes: header fields, a chunk's CUDA IPC
+#: handles (about 200 bytes per layer and K/V), the MAC. Generous: it only has to stop frames
+#: hundreds of MB larger than anything legitimate.
+HEADER_ROOM = 1 << 20
+#: Most bytes one page id takes in a msgpack request (a uint64).
+PAGE_ID_BYTES = 9
+
+
+def max_pages_message_bytes(layout: KVLayout, chunk_bytes: int) -> int:
+    """The largest message a decode rank of ``layout`` accepts: a pages chunk holds at most
+    ``chunk_bytes`` (its limit, sent in ``register``), or one page of one layer where that alone
+    is larger (see ``plan_chunks``)."""
+    one = layout.page_bytes((layout.layers[0], layout.layers[0] + 1))
+    return max(chunk_bytes, one) + HEADER_ROOM
+
+
+def max_request_message_bytes(num_pages: int) -> int:
+    """The largest message a prefill rank whose pool has ``num_pages`` pages accepts: a request
+    for all of them."""
+    return num_pages * PAGE_ID_BYTES + HEADER_ROOM
 
 
 def checksum(buffers: Iterable[Any]) -> int:
@@ -61,6 +100,10 @@ class Register(Message):
     KIND: ClassVar[str] = "register"
     receiver_id: str
     layout: KVLayout
+    num_pages: int
+    """Pages of the decode's pool: the prefill refuses requests for page ids outside it."""
+    max_chunk_bytes: int
+    """Largest pages payload the decode accepts in one message (its socket's size limit)."""
     host_id: str = ""
     device: str = "cpu"
 
@@ -147,17 +190,26 @@ KINDS: dict[str, type[Message]] = {c.KIND: c for c in (Register, RegisterAck, Re
                                                        Ack, Abort, Heartbeat)}
 
 
-def encode(msg: Message) -> list[Any]:
-    """Frames of ``msg``: the packed header, then its buffers as given (not copied)."""
-    frames: list[Any] = [msgpack.packb(msg.header(), use_bin_type=True)]
+def encode(msg: Message, auth: TransferAuth | None = None, direction: str = _auth.P2D) -> list[Any]:
+    """Frames of ``msg``: the packed header, then its buffers as given (not copied), then (with
+    ``auth``) the MAC of ``direction`` over both."""
+    head = msg.header()
+    if auth is not None:
+        head["auth"], head["n"] = _auth.ALGO, os.urandom(_auth.NONCE_BYTES)
+    frames: list[Any] = [msgpack.packb(head, use_bin_type=True)]
     if isinstance(msg, Pages):
         frames.extend(msg.buffers)
+    if auth is not None:
+        frames.append(auth.tag(direction, frames[0], frames[1:]))
     return frames
 
 
-def decode(frames: Sequence[Any]) -> Message:
+def decode(frames: Sequence[Any], auth: TransferAuth | None = None,
+           direction: str = _auth.P2D) -> Message:
     """Parse frames (bytes, memoryviews or anything with the buffer protocol) into a message.
 
+    With ``auth``, the MAC of ``direction`` is checked right after the header parsed and before
+    anything else; without, an authenticated message is refused too (the two sides' keys differ).
     Buffers of a ``pages`` message are kept as the objects given, so they stay zero-copy."""
     if not frames:
         raise WireError("empty message")
@@ -171,6 +223,7 @@ def decode(frames: Sequence[Any]) -> Message:
     if version != WIRE_VERSION:
         raise WireError(f"wire version mismatch: this side speaks v{WIRE_VERSION}, the message is "
                         f"v{version}; run the same kvatlas version on prefill and decode")
+    frames = _check_auth(head, frames, auth, direction)
     cls = KINDS.get(head.get("kind"))  # type: ignore[arg-type]
     if cls is None:
         raise WireError(f"unknown message kind {head.get('kind')!r}; expected one of {sorted(KINDS)}")
@@ -200,6 +253,30 @@ def decode(frames: Sequence[Any]) -> Message:
         return cls(**kwargs)
     except TypeError as e:
         raise WireError(f"bad {cls.KIND} message: {e}") from None
+
+
+def _check_auth(head: dict[str, Any], frames: Sequence[Any], auth: TransferAuth | None,
+                direction: str) -> Sequence[Any]:
+    """The frames without the MAC, once it verified (or when neither side uses a key)."""
+    kind, algo = head.get("kind"), head.pop("auth", None)
+    if auth is None:
+        if algo is not None:
+            raise AuthError(f"{kind} message is authenticated ({algo}) but this side has no KV "
+                            "transfer key; set the same KVATLAS_TRANSFER_KEY on every prefill and "
+                            "decode", head)
+        return frames
+    if algo is None:
+        raise AuthError(f"{kind} message is not authenticated, but this side requires the KV "
+                        "transfer key; set the same KVATLAS_TRANSFER_KEY on every prefill and "
+                        "decode", head)
+    if algo != _auth.ALGO or len(frames) < 2 or len(frames[-1]) != _auth.TAG_BYTES:
+        raise AuthError(f"{kind} message has a bad MAC ({algo!r}, {len(frames) - 1} frames after "
+                        "the header); run the same kvatlas version on prefill and decode", head)
+    if not auth.verify(direction, frames[0], frames[1:-1], frames[-1]):
+        raise AuthError(f"{kind} message failed its MAC check: it was not sent with this side's "
+                        "KV transfer key (a different KVATLAS_TRANSFER_KEY, or a forged or altered "
+                        "message)", head)
+    return frames[:-1]
 
 
 def _unpack(kwargs: dict[str, Any], frames: Sequence[Any]) -> tuple[memoryview, ...]:

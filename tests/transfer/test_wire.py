@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from transfer import wire
 from transfer.layout import KVLayout, bytes_tensor, tensor_bytes
 
+V = wire.WIRE_VERSION
 u64 = st.integers(1, 2 ** 64 - 1)
 small = st.integers(0, 2 ** 31)
 text = st.text(max_size=40)
@@ -38,7 +39,8 @@ def pages_msgs(draw) -> wire.Pages:
 
 
 messages = st.one_of(
-    st.builds(wire.Register, receiver_id=text, layout=layouts(), host_id=text,
+    st.builds(wire.Register, receiver_id=text, layout=layouts(), num_pages=st.integers(1, 2 ** 31),
+              max_chunk_bytes=st.integers(4096, 2 ** 31), host_id=text,
               device=st.sampled_from(["cpu", "cuda:0"])),
     st.builds(wire.RegisterAck, ok=st.booleans(), layout=st.one_of(st.none(), layouts()), error=text),
     st.builds(wire.Request, transfer_id=small, room=u64, dst_rank=st.integers(0, 7),
@@ -74,14 +76,14 @@ def test_header_is_self_describing() -> None:
 
 def test_version_mismatch_names_both() -> None:
     raw = msgpack.packb({"v": 7, "kind": "ack", "transfer_id": 1, "room": 1})
-    with pytest.raises(wire.WireError, match=r"v1.*v7"):
+    with pytest.raises(wire.WireError, match=rf"v{wire.WIRE_VERSION}.*v7"):
         wire.decode([raw])
 
 
 def test_missing_field_named_and_unknown_ignored() -> None:
     with pytest.raises(wire.WireError, match="'room'"):
-        wire.decode([msgpack.packb({"v": 1, "kind": "ack", "transfer_id": 1})])
-    msg = wire.decode([msgpack.packb({"v": 1, "kind": "ack", "transfer_id": 1, "room": 2,
+        wire.decode([msgpack.packb({"v": V, "kind": "ack", "transfer_id": 1})])
+    msg = wire.decode([msgpack.packb({"v": V, "kind": "ack", "transfer_id": 1, "room": 2,
                                       "added_in_v1_1": [1, 2]})])
     assert msg == wire.Ack(transfer_id=1, room=2)
 
@@ -90,8 +92,8 @@ def test_missing_field_named_and_unknown_ignored() -> None:
     ([], "empty"),
     ([b"\xc1"], "msgpack"),
     ([msgpack.packb([1, 2])], "map"),
-    ([msgpack.packb({"v": 1, "kind": "nope"})], "unknown message kind"),
-    ([msgpack.packb({"v": 1, "kind": "ack", "transfer_id": 1, "room": 2}), b"x"], "unexpected"),
+    ([msgpack.packb({"v": V, "kind": "nope"})], "unknown message kind"),
+    ([msgpack.packb({"v": V, "kind": "ack", "transfer_id": 1, "room": 2}), b"x"], "unexpected"),
 ])
 def test_bad_input(frames: list, word: str) -> None:
     with pytest.raises(wire.WireError, match=word):

@@ -24,7 +24,7 @@ def pool(lay: KVLayout, pages: int, seed: int | None) -> torch.Tensor:
     return torch.randn(lay.pool_shape(pages), generator=g, dtype=torch.float64).to(lay.torch_dtype)
 
 
-def fast_config(**over: float) -> TransferConfig:
+def fast_config(**over: object) -> TransferConfig:
     return TransferConfig(**{"bootstrap_timeout_s": 10.0, "waiting_timeout_s": 10.0,
                              "connect_timeout_s": 2.0, **over})
 

@@ -1,10 +1,17 @@
 """Transport-independent receiver logic: registration, requests, validation before any write.
 
-Order of checks for every ``pages`` chunk, all before a byte reaches the pool: the chunk belongs to
-a live transfer of this connection; its room equals the room this transfer asked for; dtype, layer
-and head box, page range and shape match what was agreed; the checksum over the received bytes
-equals the header's. Chunks are held back (not written) until every peer's first chunk passed the
-room check, so a swapped room from any peer leaves the pool untouched.
+Order of checks for every ``pages`` chunk, all before a byte of it reaches the pool: its MAC (with
+a transfer key; checked while decoding); the chunk belongs to a live transfer of this connection;
+its room equals the room this transfer asked for; dtype, layer and head box, page range and shape
+match what was agreed; the checksum over the received bytes equals the header's (with a key, the
+MAC is that check). Chunks are held back (not written) until every peer's first chunk passed, so a
+swapped room in any peer's first chunk leaves the pool untouched.
+
+What holds when chunk k > 0 fails: chunks are written as they pass, not staged until the last one
+(staging would hold the whole transfer in memory and give up the copy that overlaps the network).
+So chunks before k may already be in the room's own reserved pages. Those pages are released to the
+caller uncommitted (``receive`` raises, ``released_pages`` names them); no page outside the
+reservation is ever written, and nothing reads a failed room's pages as KV.
 """
 from __future__ import annotations
 
@@ -22,10 +29,13 @@ from typing import Any
 
 import torch
 
-from transfer import wire
+from transfer import auth, wire
+from transfer.backends._receiver_checks import (PeerRx as _PeerRx, check_coverage,
+                                                chunk_problems, requesters)
 from transfer.backends._receiver_write import PoolWriter
 from transfer.backends.base import KVReceiver, ReceiveResult
-from transfer.base import TransferConfig, TransferError, TransferState, TransferStatus
+from transfer.base import (TRANSFER_KEY_ENV, TransferConfig, TransferError, TransferState,
+                           TransferStatus)
 from transfer.layout import KVLayout, bytes_array, dtype_from_name, intersect
 
 logger = logging.getLogger(__name__)
@@ -43,15 +53,6 @@ class _Peer:
     registered: asyncio.Future | None = None
     pings: dict[int, asyncio.Future] = field(default_factory=dict)
     rooms: set[int] = field(default_factory=set)
-
-
-@dataclass
-class _PeerRx:
-    layers: tuple[int, int]
-    heads: tuple[int, int]
-    covered: bytearray
-    first_ok: bool = False
-    final: wire.Final | None = None
 
 
 @dataclass
@@ -79,6 +80,10 @@ class ProtocolReceiver(KVReceiver):
         self.release_pages = release_pages
         self.host_id = host_id
         self.device = device or str(pool.device)
+        self.auth = auth.TransferAuth.from_key(config.key)
+        #: The largest message a prefill may send here (a pages chunk of at most chunk_bytes, or
+        #: one page of one layer where that is larger); the socket refuses anything bigger.
+        self.max_message_bytes = wire.max_pages_message_bytes(layout, config.chunk_bytes)
         self._peers: dict[str, _Peer] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._rx: dict[int, _Rx] = {}            # by transfer id
@@ -89,7 +94,7 @@ class ProtocolReceiver(KVReceiver):
         #: Counters for the worker's metrics.
         self.stats: dict[str, int] = {"registrations": 0, "rooms_ok": 0, "rooms_failed": 0,
                                       "bytes_received": 0, "room_mismatches": 0,
-                                      "checksum_failures": 0}
+                                      "checksum_failures": 0, "auth_failures": 0}
 
     # ---- transport, supplied by a backend --------------------------------------------------
     @abstractmethod
@@ -112,10 +117,14 @@ class ProtocolReceiver(KVReceiver):
         if msg.payload != "bytes":
             raise TransferError(msg.room, f"payload {msg.payload!r} is not supported by this "
                                 "backend; use the same backend on both sides", peer=endpoint)
-        if msg.checksum_algo != wire.CHECKSUM_XXH3:
+        if msg.checksum_algo == auth.ALGO and self.auth is not None:
+            actual = msg.checksum  # the message's MAC, checked in decode, covers these bytes
+        elif msg.checksum_algo != wire.CHECKSUM_XXH3:
             raise TransferError(msg.room, f"checksum algorithm {msg.checksum_algo!r} is not "
-                                f"{wire.CHECKSUM_XXH3!r} for a bytes payload", peer=endpoint)
-        actual = wire.checksum(msg.buffers)
+                                f"{wire.CHECKSUM_XXH3!r} for a bytes payload (nor a MAC this side "
+                                "checked)", peer=endpoint)
+        else:
+            actual = wire.checksum(msg.buffers)
         dtype = dtype_from_name(msg.dtype)
         try:
             return actual, [bytes_array(b, dtype, msg.shape) for b in msg.buffers]
@@ -125,7 +134,10 @@ class ProtocolReceiver(KVReceiver):
 
     # ---- public API ------------------------------------------------------------------------
     async def start(self) -> None:
-        return None
+        if self.auth is None:
+            logger.warning("KV receiver %s runs without transfer authentication: %s is not set, so "
+                           "whoever the bootstrap table names can deliver KV to it; set the same "
+                           "key on every prefill and decode", self.receiver_id, TRANSFER_KEY_ENV)
 
     async def close(self) -> None:
         for rx in list(self._rx.values()):
@@ -142,11 +154,15 @@ class ProtocolReceiver(KVReceiver):
             peer.registered = asyncio.get_running_loop().create_future()
             try:
                 await self._open(endpoint)
-                await self._send_frames(endpoint, wire.encode(wire.Register(
-                    receiver_id=self.receiver_id, layout=self.layout, host_id=self.host_id,
-                    device=self.device)))
+                await self._send_frames(endpoint, self._encode(wire.Register(
+                    receiver_id=self.receiver_id, layout=self.layout,
+                    num_pages=int(self.pool.shape[2]), max_chunk_bytes=self.config.chunk_bytes,
+                    host_id=self.host_id, device=self.device)))
                 ack: wire.RegisterAck = await asyncio.wait_for(peer.registered,
                                                                self.config.connect_timeout_s)
+            except TransferError:  # the answer failed authentication
+                await self._forget_peer(endpoint)
+                raise
             except (asyncio.TimeoutError, ConnectionError, OSError) as e:
                 await self._forget_peer(endpoint)
                 why = (f"no answer within {self.config.connect_timeout_s} s"
@@ -199,10 +215,10 @@ class ProtocolReceiver(KVReceiver):
                 rx.peers[endpoint] = _PeerRx(layers, heads,
                                              bytearray(len(dst) * (layers[1] - layers[0])))
                 self._peers[endpoint].rooms.add(room)
-            _check_coverage(room, self.layout, rx.peers)
+            check_coverage(room, self.layout, rx.peers)
             for endpoint in rx.peers:
-                n = num_requesters or _requesters(self.layout, self._peers[endpoint].layout)
-                await self._send_frames(endpoint, wire.encode(wire.Request(
+                n = num_requesters or requesters(self.layout, self._peers[endpoint].layout)
+                await self._send_frames(endpoint, self._encode(wire.Request(
                     transfer_id=tid, room=room, dst_rank=self.layout.tp_rank, num_requesters=n,
                     dst_page_ids=dst)))
             self._check_rx_alive(rx)
@@ -246,7 +262,7 @@ class ProtocolReceiver(KVReceiver):
         seq = next(self._seq)
         fut = peer.pings[seq] = asyncio.get_running_loop().create_future()
         try:
-            await self._send_frames(endpoint, wire.encode(wire.Heartbeat(seq=seq)))
+            await self._send_frames(endpoint, self._encode(wire.Heartbeat(seq=seq)))
             await asyncio.wait_for(fut, timeout)
             return True
         except (asyncio.TimeoutError, ConnectionError, OSError):
@@ -269,13 +285,31 @@ class ProtocolReceiver(KVReceiver):
         return [e for e, p in self._peers.items() if p.layout is not None]
 
     # ---- incoming --------------------------------------------------------------------------
+    def _encode(self, msg: wire.Message) -> list[Any]:
+        return wire.encode(msg, self.auth, auth.D2P)
+
     async def _on_frames(self, endpoint: str, frames: Sequence[Any]) -> None:
+        peer = self._peers.get(endpoint)
         try:
-            msg = wire.decode(frames)
+            msg = wire.decode(frames, self.auth, auth.P2D)
+        except wire.AuthError as e:
+            self.stats["auth_failures"] += 1
+            logger.warning("dropping a message from %s: %s", endpoint, e)
+            if peer is not None and peer.registered is not None and not peer.registered.done():
+                peer.registered.set_exception(TransferError(
+                    None, f"KV transfer authentication with prefill rank {endpoint} failed: {e}",
+                    peer=endpoint))
+            rx = self._rx.get(e.transfer_id) if isinstance(e.transfer_id, int) else None
+            if rx is not None and endpoint in rx.peers:
+                # The connection is ours to this peer, so only the peer (or someone on the path,
+                # who could drop the chunk anyway) can fail the room this way: no waiting 300 s.
+                self._fail(rx, TransferError(rx.status.room, f"a {e.kind} message from this "
+                                             f"prefill rank failed authentication: {e}",
+                                             peer=endpoint))
+            return
         except wire.WireError as e:
             logger.warning("dropping a bad message from %s: %s", endpoint, e)
             return
-        peer = self._peers.get(endpoint)
         if peer is None:
             return
         if isinstance(msg, wire.RegisterAck):
@@ -287,7 +321,8 @@ class ProtocolReceiver(KVReceiver):
                 if fut is not None and not fut.done():
                     fut.set_result(True)
             else:
-                await self._send_frames(endpoint, wire.encode(wire.Heartbeat(seq=msg.seq, reply=True)))
+                await self._send_frames(endpoint, self._encode(wire.Heartbeat(seq=msg.seq,
+                                                                              reply=True)))
         elif isinstance(msg, (wire.Pages, wire.Final, wire.Abort)):
             rx = self._rx.get(msg.transfer_id) if msg.transfer_id is not None else None
             if rx is None or endpoint not in rx.peers:
@@ -312,33 +347,23 @@ class ProtocolReceiver(KVReceiver):
         room, p = rx.status.room, rx.peers[endpoint]
         if msg.room != room:
             self.stats["room_mismatches"] += 1
-            raise TransferError.room_mismatch(room, msg.room, endpoint)
+            raise TransferError.room_mismatch(room, msg.room, endpoint, f" in chunk {p.chunks}")
         if p.final is not None:
             raise TransferError(room, "pages after the final metadata", peer=endpoint)
-        end = msg.page_start + msg.page_count
-        n = len(rx.dst_page_ids)
+        end, n = msg.page_start + msg.page_count, len(rx.dst_page_ids)
+        l0, l1 = msg.layers
         want_shape = (msg.page_count, self.layout.page_size, p.heads[1] - p.heads[0],
                       self.layout.head_dim)
-        problems = []
-        if msg.dtype != self.layout.dtype:
-            problems.append(f"kv_cache_dtype {msg.dtype!r}, expected {self.layout.dtype!r}")
-        l0, l1 = msg.layers
-        if not p.layers[0] <= l0 < l1 <= p.layers[1] or tuple(msg.heads) != p.heads:
-            problems.append(f"box layers {tuple(msg.layers)} heads {tuple(msg.heads)}, expected "
-                            f"layers within {p.layers} and heads {p.heads}")
-        elif end > n or any(any(p.covered[(l - p.layers[0]) * n + msg.page_start:
-                                          (l - p.layers[0]) * n + end]) for l in range(l0, l1)):
-            problems.append(f"pages [{msg.page_start}, {end}) of layers [{l0}, {l1}) outside "
-                            f"[0, {n}) or sent twice")
-        if tuple(msg.shape) != want_shape:
-            problems.append(f"shape {tuple(msg.shape)}, expected {want_shape}")
+        problems = chunk_problems(self.layout, p, n, msg, want_shape)
         if problems:
             raise TransferError(room, "bad pages chunk: " + "; ".join(problems), peer=endpoint)
         actual, tensors = self._payload_tensors(endpoint, msg)
         if actual != msg.checksum:
             self.stats["checksum_failures"] += 1
             raise TransferError.checksum_mismatch(room, msg.checksum, actual, endpoint,
-                                                  f" in pages [{msg.page_start}, {end})")
+                                                  f" in chunk {p.chunks} (pages "
+                                                  f"[{msg.page_start}, {end}) of layers "
+                                                  f"[{l0}, {l1}))")
         if len(tensors) != msg.num_buffers or any(tuple(t.shape) != want_shape for t in tensors):
             raise TransferError(room, "payload buffers do not match the header's shape",
                                 peer=endpoint)
@@ -349,6 +374,7 @@ class ProtocolReceiver(KVReceiver):
             p.covered[base + msg.page_start:base + end] = b"\x01" * msg.page_count
         rx.nbytes += msg.num_buffers * math.prod(want_shape) * self.layout.torch_dtype.itemsize
         rx.chunks += 1
+        p.chunks += 1
         if all(q.first_ok for q in rx.peers.values()):
             self._write(rx, endpoint, msg, tensors)
             return
@@ -367,7 +393,7 @@ class ProtocolReceiver(KVReceiver):
     def _on_final(self, rx: _Rx, endpoint: str, msg: wire.Final) -> None:
         room, p = rx.status.room, rx.peers[endpoint]
         if msg.room != room:
-            raise TransferError.room_mismatch(room, msg.room, endpoint)
+            raise TransferError.room_mismatch(room, msg.room, endpoint, " in the final metadata")
         missing = p.covered.count(0)
         if missing or msg.num_pages != len(rx.dst_page_ids):
             raise TransferError(room, f"final metadata with {missing} of {len(p.covered)} "
@@ -447,7 +473,7 @@ class ProtocolReceiver(KVReceiver):
     async def _send_quiet(self, endpoint: str, msg: wire.Message) -> None:
         try:
             if endpoint in self._peers:
-                await self._send_frames(endpoint, wire.encode(msg))
+                await self._send_frames(endpoint, self._encode(msg))
         except (ConnectionError, OSError) as e:
             logger.info("could not send %s to %s: %s", msg.KIND, endpoint, e)
 
@@ -458,25 +484,3 @@ class ProtocolReceiver(KVReceiver):
                 if not fut.done():
                     fut.set_result(False)
         await self._drop(endpoint)
-
-
-def _requesters(mine: KVLayout, theirs: KVLayout | None) -> int:
-    """How many decode ranks read one prefill rank (SGLang's required_dst_info_num)."""
-    if theirs is None or mine.tp_size <= theirs.tp_size:
-        return 1
-    return mine.tp_size // theirs.tp_size
-
-
-def _check_coverage(room: int, layout: KVLayout, peers: dict[str, _PeerRx]) -> None:
-    cells: set[tuple[int, int]] = set()
-    for endpoint, p in peers.items():
-        box = {(l, h) for l in range(*p.layers) for h in range(*p.heads)}
-        if cells & box:
-            raise TransferError(room, f"prefill ranks overlap at layers {p.layers} heads {p.heads} "
-                                f"({endpoint}); check the rank mapping", peer=endpoint)
-        cells |= box
-    need = layout.local_layers * layout.local_heads
-    if len(cells) != need:
-        raise TransferError(room, f"the prefill ranks {list(peers)} cover {len(cells)} of the "
-                            f"{need} (layer, head) cells of layers {layout.layers} heads "
-                            f"{layout.heads}; the rank mapping left some out")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -17,12 +16,16 @@ from typing import Any
 
 import torch
 
-from transfer import wire
+from transfer import auth, wire
+from transfer.backends._chunks import check_room, flip_first_byte, plan_chunks
+from transfer.backends._pending import EarlyTable, check_request
 from transfer.backends.base import Destination, KVSender, SenderHooks
-from transfer.base import TransferConfig, TransferError, TransferState, TransferStatus
+from transfer.base import TRANSFER_KEY_ENV, TransferConfig, TransferError, TransferState, TransferStatus
 from transfer.layout import KVLayout, PageSource, intersect, tensor_bytes
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["ProtocolSender", "plan_chunks"]
 
 FINISHED_KEPT = 4096
 #: Buffers smaller than this travel packed into one frame: pyzmq copies frames under 64 KiB
@@ -37,19 +40,25 @@ class _Registration:
     layout: KVLayout
     host_id: str
     device: str
+    num_pages: int
+    """Pages of the decode's pool."""
+    chunk_bytes: int
+    """Chunk size for this decode: ours, or less where its socket accepts less."""
 
 
 @dataclass
 class _Dest:
     reg: _Registration
     request: wire.Request
+    """The decode's request without its page ids (only their count is used here)."""
+    num_pages: int
     layers: tuple[int, int]
     heads: tuple[int, int]
     acked: bool = False
 
     def public(self) -> Destination:
-        return Destination(self.reg.peer, self.request.dst_rank, len(self.request.dst_page_ids),
-                           self.layers, self.heads)
+        return Destination(self.reg.peer, self.request.dst_rank, self.num_pages, self.layers,
+                           self.heads)
 
 
 @dataclass
@@ -69,15 +78,16 @@ class ProtocolSender(KVSender):
         self.config, self.layout, self.source = config, layout, source
         self.host_id, self.device = host_id, device
         self.hooks = SenderHooks()
+        self.auth = auth.TransferAuth.from_key(config.key)
         self._regs: dict[Hashable, _Registration] = {}
         self._rooms: dict[int, _Room] = {}
         self._finished: OrderedDict[int, TransferStatus] = OrderedDict()
-        self._early: dict[int, list[tuple[Hashable, wire.Request, float]]] = {}
-        self._early_aborts: dict[int, tuple[TransferError, float]] = {}
+        self._early = EarlyTable(config.early_request_ttl_s, config.max_early_requests)
         self._closed = False
-        #: Counters for the worker's metrics: registrations, rooms_ok, rooms_failed, bytes_sent.
+        #: Counters for the worker's metrics: registrations, rooms_ok, rooms_failed, bytes_sent,
+        #: auth_failures (messages dropped for a missing or wrong MAC), refused (bad requests).
         self.stats: dict[str, int] = {"registrations": 0, "rooms_ok": 0, "rooms_failed": 0,
-                                      "bytes_sent": 0}
+                                      "bytes_sent": 0, "auth_failures": 0, "refused": 0}
 
     # ---- transport, supplied by a backend --------------------------------------------------
     @abstractmethod
@@ -98,15 +108,27 @@ class ProtocolSender(KVSender):
         """(extra header fields, buffers to send, objects to keep alive until the ack)."""
         cpu = [t if t.device.type == "cpu" else t.cpu() for t in tensors]
         buffers = [tensor_bytes(t) for t in cpu]
-        extra: dict[str, Any] = {"checksum": wire.checksum(buffers), "payload": "bytes"}
+        extra = self._bytes_checksum(buffers)
         if buffers and buffers[0].nbytes < PACK_BELOW:
             buffers = [wire.pack(buffers)]
             extra["packed"] = True
         return extra, buffers, cpu
 
+    def _bytes_checksum(self, buffers: list[Any]) -> dict[str, Any]:
+        """Header fields of a bytes payload's integrity check: with a key the message's MAC
+        covers the bytes (one pass, not two); otherwise xxh3."""
+        if self.auth is not None:
+            return {"checksum": 0, "checksum_algo": auth.ALGO, "payload": "bytes"}
+        return {"checksum": wire.checksum(buffers), "payload": "bytes"}
+
     # ---- public API ------------------------------------------------------------------------
     async def start(self) -> None:
         await self._open()
+        if self.auth is None:
+            logger.warning("KV sender %s runs without transfer authentication: %s is not set, so "
+                           "any process that reaches this port can register, abort rooms and "
+                           "receive KV; set the same key on every prefill and decode",
+                           self.endpoint, TRANSFER_KEY_ENV)
 
     async def close(self) -> None:
         if self._closed:
@@ -118,7 +140,7 @@ class ProtocolSender(KVSender):
         await self._shutdown()
 
     def create(self, room: int) -> TransferStatus:
-        _check_room(room)
+        check_room(room)
         if room in self._rooms:
             return self._rooms[room].status
         if room in self._finished:
@@ -128,12 +150,13 @@ class ProtocolSender(KVSender):
         self._rooms[room] = st
         st.timer = asyncio.get_running_loop().call_later(
             self.config.bootstrap_timeout_s, self._timeout, room, TransferState.BOOTSTRAPPING)
-        aborted = self._early_aborts.pop(room, None)
+        early, aborted = self._early.pop(room)
         if aborted is not None:
-            self._fail(room, aborted[0], notify=False)
+            self._fail(room, aborted, notify=False)
             return st.status
-        for conn, req, _ in self._early.pop(room, []):
-            self._add_request(st, conn, req)
+        for item in early:
+            if item.conn in self._regs:
+                self._add_request(st, item.conn, item.request, item.num_pages)
         return st.status
 
     async def wait_bootstrapped(self, room: int) -> list[Destination]:
@@ -153,9 +176,9 @@ class ProtocolSender(KVSender):
         st = self._rooms[room]
         page_ids = list(page_ids)
         for d in st.dests.values():
-            if len(d.request.dst_page_ids) != len(page_ids):
+            if d.num_pages != len(page_ids):
                 self._fail(room, TransferError(
-                    room, f"decode rank {d.request.dst_rank} reserved {len(d.request.dst_page_ids)} "
+                    room, f"decode rank {d.request.dst_rank} reserved {d.num_pages} "
                     f"pages but this prefill rank has {len(page_ids)} pages of KV; both sides must "
                     "use the same page_size and prompt", peer=d.reg.peer), notify=True)
                 return await self._wait(st, st.acked)
@@ -201,36 +224,48 @@ class ProtocolSender(KVSender):
     async def _send_dest(self, st: _Room, d: _Dest, page_ids: list[int], first_token: int,
                          cached_tokens: int) -> None:
         room, req = st.status.room, d.request
-        wire_room = self.hooks.room_override.get(room, room)
         chunks = 0
         for layers, start, stop in plan_chunks(len(page_ids), d.layers,
                                                self.layout.page_bytes((0, 1), d.heads),
-                                               self.config.chunk_bytes):
+                                               d.reg.chunk_bytes):
             if st.status.state.terminal:
                 return
+            wire_room = self.hooks.room_override.get(room, room) \
+                if chunks >= self.hooks.from_chunk else room
             ids = page_ids[start:stop]
             tensors = self.source.read_pages(ids, layers, d.heads)
             extra, buffers, keep = self._encode_payload(d.reg, tensors)
             st.keepalive.append(keep)
-            if room in self.hooks.corrupt_rooms and buffers:  # after the checksum was taken
-                buffers = [_flip_first_byte(buffers[0]), *buffers[1:]]
             msg = wire.Pages(transfer_id=req.transfer_id, room=wire_room, page_start=start,
                              page_count=len(ids), layers=layers, heads=d.heads,
                              dtype=self.layout.dtype,
                              shape=(len(ids), self.layout.page_size, d.heads[1] - d.heads[0],
                                     self.layout.head_dim),
                              buffers=buffers, **extra)
-            await self._send_frames(d.reg.conn, wire.encode(msg))
+            frames = self._encode(msg)
+            if room in self.hooks.corrupt_rooms and chunks >= self.hooks.from_chunk:
+                frames[1] = flip_first_byte(frames[1])  # in flight: after checksum and MAC
+            await self._send_frames(d.reg.conn, frames)
             chunks += 1
             self.stats["bytes_sent"] += sum(t.numel() * t.element_size() for t in tensors)
-        final = wire.Final(transfer_id=req.transfer_id, room=wire_room, first_token=first_token,
+        final = wire.Final(transfer_id=req.transfer_id, room=self.hooks.room_override.get(room, room), first_token=first_token,
                            cached_tokens=cached_tokens, num_pages=len(page_ids), num_chunks=chunks)
-        await self._send_frames(d.reg.conn, wire.encode(final))
+        await self._send_frames(d.reg.conn, self._encode(final))
+
+    def _encode(self, msg: wire.Message) -> list[Any]:
+        return wire.encode(msg, self.auth, auth.P2D)
 
     # ---- incoming --------------------------------------------------------------------------
     async def _on_frames(self, conn: Hashable, frames: Sequence[Any]) -> None:
         try:
-            msg = wire.decode(frames)
+            msg = wire.decode(frames, self.auth, auth.D2P)
+        except wire.AuthError as e:
+            self.stats["auth_failures"] += 1
+            logger.warning("dropping a message from %s: %s", self._peer_name(conn), e)
+            if e.kind == wire.Register.KIND:  # tell the decode why it cannot register
+                await self._reply(conn, wire.RegisterAck(ok=False, layout=self.layout,
+                                                         error=str(e)))
+            return
         except wire.WireError as e:
             logger.warning("dropping a bad message from %s: %s", self._peer_name(conn), e)
             return
@@ -247,8 +282,10 @@ class ProtocolSender(KVSender):
                 self._fail(msg.room, error, notify=True)
             elif msg.room not in self._finished and conn in self._regs:
                 # the decode gave up before this rank saw the room: fail it on arrival
-                self._early.pop(msg.room, None)
-                self._early_aborts[msg.room] = (error, time.monotonic())
+                if not self._early.add_abort(msg.room, error):
+                    logger.warning("dropping the decode's abort of room %s: %d early requests and "
+                                   "aborts are kept already (transfer max_early_requests)",
+                                   msg.room, len(self._early))
         elif isinstance(msg, wire.Heartbeat) and not msg.reply:
             await self._reply(conn, wire.Heartbeat(seq=msg.seq, reply=True))
         else:
@@ -266,20 +303,37 @@ class ProtocolSender(KVSender):
             logger.warning("refusing registration of %s: %s", msg.receiver_id, error)
             await self._reply(conn, wire.RegisterAck(ok=False, layout=self.layout, error=error))
             return
+        if not (isinstance(msg.num_pages, int) and msg.num_pages > 0
+                and isinstance(msg.max_chunk_bytes, int) and msg.max_chunk_bytes > 0):
+            await self._reply(conn, wire.RegisterAck(
+                ok=False, layout=self.layout, error=f"registration needs a positive num_pages and "
+                f"max_chunk_bytes, got {msg.num_pages!r} and {msg.max_chunk_bytes!r}"))
+            return
         self._regs[conn] = _Registration(conn, msg.receiver_id or self._peer_name(conn),
-                                         msg.layout, msg.host_id, msg.device)
+                                         msg.layout, msg.host_id, msg.device, msg.num_pages,
+                                         min(self.config.chunk_bytes, msg.max_chunk_bytes))
         self.stats["registrations"] += 1
         await self._reply(conn, wire.RegisterAck(ok=True, layout=self.layout, host_id=self.host_id,
                                                  device=self.device))
 
     async def _on_request(self, conn: Hashable, req: wire.Request) -> None:
         room = req.room
-        if conn not in self._regs:
+        reg = self._regs.get(conn)
+        if reg is None:
             await self._reply(conn, wire.Abort(room=room, transfer_id=req.transfer_id, reason=(
                 "this prefill rank has no layout registration for the connection (it restarted?); "
                 "the decode drops the connection and registers again on the next request"),
                 code=wire.ABORT_UNREGISTERED))
             return
+        problem = check_request(req, reg.num_pages, self.source.num_pages)
+        if problem:  # before anything is stored, so a bad request costs nothing here
+            self.stats["refused"] += 1
+            logger.warning("refusing a request from %s: %s", reg.peer, problem)
+            if isinstance(req.transfer_id, int) and isinstance(room, int):
+                await self._reply(conn, wire.Abort(room=room, transfer_id=req.transfer_id,
+                                                   reason=f"bad request: {problem}"))
+            return
+        num_pages = len(req.dst_page_ids)
         st = self._rooms.get(room)
         if st is None:
             if room in self._finished:
@@ -287,17 +341,15 @@ class ProtocolSender(KVSender):
                     f"room {room} already ended on this prefill rank "
                     f"({self._finished[room].state.name})")))
                 return
-            now = time.monotonic()
-            ttl = self.config.early_request_ttl_s
-            for r in [r for r, items in self._early.items() if now - items[0][2] > ttl]:
-                del self._early[r]
-            for r in [r for r, (_, t) in self._early_aborts.items() if now - t > ttl]:
-                del self._early_aborts[r]
-            self._early.setdefault(room, []).append((conn, req, now))
+            if not self._early.add_request(conn, req, num_pages):
+                await self._reply(conn, wire.Abort(room=room, transfer_id=req.transfer_id, reason=(
+                    f"this prefill rank already holds {len(self._early)} requests and aborts for "
+                    "rooms it has not started (transfer max_early_requests); it is overloaded or "
+                    "decodes ask for rooms the router never sent it")))
             return
-        self._add_request(st, conn, req)
+        self._add_request(st, conn, req, num_pages)
 
-    def _add_request(self, st: _Room, conn: Hashable, req: wire.Request) -> None:
+    def _add_request(self, st: _Room, conn: Hashable, req: wire.Request, num_pages: int) -> None:
         room, reg = st.status.room, self._regs[conn]
         if st.status.state is not TransferState.BOOTSTRAPPING:
             self._fail(room, TransferError(room, f"decode rank {req.dst_rank} asked after the room "
@@ -318,7 +370,7 @@ class ProtocolSender(KVSender):
                                            f"heads {self.layout.heads}", peer=reg.peer), notify=True)
             return
         st.expected = req.num_requesters
-        st.dests[(conn, req.dst_rank)] = _Dest(reg, req, layers, heads)
+        st.dests[(conn, req.dst_rank)] = _Dest(reg, req, num_pages, layers, heads)
         if len(st.dests) >= st.expected:
             st.status.advance(TransferState.WAITING_FOR_INPUT)
             if st.timer:
@@ -340,7 +392,7 @@ class ProtocolSender(KVSender):
     # ---- failure and bookkeeping -----------------------------------------------------------
     async def _reply(self, conn: Hashable, msg: wire.Message) -> None:
         try:
-            await self._send_frames(conn, wire.encode(msg))
+            await self._send_frames(conn, self._encode(msg))
         except (ConnectionError, OSError) as e:
             logger.info("could not answer %s: %s", self._peer_name(conn), e)
 
@@ -397,37 +449,3 @@ class ProtocolSender(KVSender):
         if st.status.state is TransferState.FAILED:
             assert st.status.error is not None
             raise st.status.error
-
-
-def plan_chunks(num_pages: int, layers: tuple[int, int], layer_page_bytes: int,
-                chunk_bytes: int) -> list[tuple[tuple[int, int], int, int]]:
-    """Split a transfer into (layer range, page start, page stop) chunks of about ``chunk_bytes``.
-
-    Frames are whole (layer, K/V) planes of the selected pages, so a chunk groups layers when one
-    layer is small (few frames, each large: ZMQ and the copies run at memory speed) and splits the
-    pages of one layer when a layer alone exceeds ``chunk_bytes``. ``layer_page_bytes`` is one page
-    of one layer, K and V."""
-    layer_bytes = num_pages * layer_page_bytes
-    out: list[tuple[tuple[int, int], int, int]] = []
-    if layer_bytes >= chunk_bytes:
-        per = max(1, chunk_bytes // layer_page_bytes)
-        for layer in range(*layers):
-            out.extend(((layer, layer + 1), p, min(p + per, num_pages))
-                       for p in range(0, num_pages, per))
-    else:
-        per = max(1, chunk_bytes // layer_bytes)
-        out.extend(((l0, min(l0 + per, layers[1])), 0, num_pages)
-                   for l0 in range(layers[0], layers[1], per))
-    return out
-
-
-def _check_room(room: int) -> None:
-    if not isinstance(room, int) or isinstance(room, bool) or not 0 < room < 2 ** 64:
-        raise ValueError(f"bootstrap_room must be an integer in [1, 2^64), got {room!r}")
-
-
-def _flip_first_byte(buf: Any) -> bytes:
-    data = bytearray(buf)
-    if data:
-        data[0] ^= 0xFF
-    return bytes(data)

@@ -58,7 +58,10 @@ class SenderHooks:
     room_override: dict[int, int] = field(default_factory=dict)
     """Write this room into the pages/final headers instead of the real one (a swapped binding)."""
     corrupt_rooms: set[int] = field(default_factory=set)
-    """Flip one byte of the first buffer of every chunk of these rooms after the checksum."""
+    """Flip one byte of the first buffer of every chunk of these rooms in flight (after the
+    checksum and the MAC were computed)."""
+    from_chunk: int = 0
+    """The two hooks above act on chunks from this index on; earlier chunks go out intact."""
 
 
 class KVSender(ABC):

@@ -8,9 +8,11 @@ disabled or refused by the driver) the prefill stages each chunk through pinned 
 sends bytes, which any receiver accepts. :func:`select_mode` makes that choice and is pure, so it is
 tested without a GPU.
 
-Integrity: bytes payloads carry xxh3_64 like the ZMQ backend. IPC payloads never leave the GPU, so
-their checksum is ``dsum64``: a position-mixed wrap-around sum of the int64 words of every buffer,
-computed on the device by both sides (a corruption check, not a cryptographic one).
+Integrity: bytes payloads carry xxh3_64 (or, with a transfer key, the MAC) like the ZMQ backend.
+IPC payloads never leave the GPU, so their checksum is ``dsum64``: a position-mixed wrap-around sum
+of the int64 words of every buffer, computed on the device by both sides (a corruption check, not a
+cryptographic one). With a key, the MAC covers the header, so the IPC handles and the dsum64 value
+are authentic: the decode only opens memory that a key holder exported.
 """
 from __future__ import annotations
 
@@ -155,7 +157,7 @@ class CudaIpcSender(ZmqSender):
                 offset += t.numel()
             torch.cuda.current_stream(tensors[0].device).synchronize()
             buffers = [tensor_bytes(h) for h in host]
-            return {"checksum": wire.checksum(buffers), "payload": "bytes"}, buffers, [staging]
+            return self._bytes_checksum(buffers), buffers, [staging]
         # The gathers that produced ``tensors`` run asynchronously: finish them before a peer reads.
         torch.cuda.current_stream(tensors[0].device).synchronize()
         return ({"checksum": device_checksum(tensors), "checksum_algo": CHECKSUM_DSUM,

@@ -1,6 +1,10 @@
 """ZMQ backend: the prefill rank binds a ROUTER, each decode rank connects one DEALER per prefill
 rank. Pages travel as multipart messages whose buffers are sent and received without copies
-(``copy=False``; received frames are viewed as tensors and copied once, into the pool)."""
+(``copy=False``; received frames are viewed as tensors and copied once, into the pool).
+
+Both sockets refuse frames larger than anything legitimate (``zmq.MAXMSGSIZE``, sized from the
+layout: a decode accepts at most one chunk, a prefill at most a request for its whole pool) by
+dropping the connection, so one huge frame cannot make either side allocate it."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from transfer.backends._receiver_core import ProtocolReceiver, ReleasePages
+from transfer import wire
 from transfer.backends._sender_core import ProtocolSender
 from transfer.base import TransferConfig, host_identity
 from transfer.layout import KVLayout, PageSource
@@ -50,6 +55,7 @@ class ZmqSender(ProtocolSender):
         sock = _context().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished decode is an error, not a silent drop
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.max_request_message_bytes(self.source.num_pages))
         try:
             if self.port:
                 sock.bind(f"tcp://{self.host}:{self.port}")
@@ -111,6 +117,7 @@ class ZmqReceiver(ProtocolReceiver):
         await self._drop(endpoint)
         sock = _context().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sock.connect(endpoint)
         self._socks[endpoint] = sock
         self._readers[endpoint] = asyncio.create_task(self._read(endpoint, sock),

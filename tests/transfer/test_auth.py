@@ -1,0 +1,143 @@
+"""Transfer authentication: a MAC with a shared key (transfer.auth) on every data-plane message.
+
+A process without the key must not be able to deliver KV, register, or abort a room; a captured
+message must not verify for another room or the other direction."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgpack
+import pytest
+import torch
+from transfer_helpers import Rig, fast_config, layout, pages_of, pool
+
+from transfer import TransferConfig, TransferError, TransferState, wire
+from transfer.auth import D2P, P2D, TransferAuth
+
+pytestmark = pytest.mark.timeout(30)
+KEY = "k" * 16 + "-shared-transfer-key"
+OTHER = "o" * 16 + "-another-cluster-key"
+
+
+def keyed(key: str | None = KEY) -> TransferConfig:
+    return fast_config(key=key)
+
+
+def pages_msg(room: int, data: bytes = b"\x01" * 64) -> wire.Pages:
+    return wire.Pages(transfer_id=1, room=room, page_start=0, page_count=1, layers=(0, 1),
+                      heads=(0, 1), dtype="bfloat16", shape=(1, 1, 1, 32), checksum=0,
+                      checksum_algo="poly1305", buffers=(data, data))
+
+
+def test_mac_binds_header_payload_direction_and_key() -> None:
+    a = TransferAuth(KEY)
+    frames = wire.encode(pages_msg(5), a, P2D)
+    assert len(frames) == 4 and len(frames[-1]) == 16
+    assert wire.decode(frames, a, P2D).room == 5
+    # another room: rewriting the header's room (a captured message replayed for room 6)
+    head = msgpack.unpackb(frames[0])
+    head["room"] = 6
+    with pytest.raises(wire.AuthError, match="failed its MAC check"):
+        wire.decode([msgpack.packb(head), *frames[1:]], a, P2D)
+    # one payload byte changed
+    with pytest.raises(wire.AuthError, match="failed its MAC check"):
+        wire.decode([frames[0], b"\x02" + b"\x01" * 63, *frames[2:]], a, P2D)
+    # reflected back to the sender (the other direction) or checked with another key
+    with pytest.raises(wire.AuthError, match="failed its MAC check"):
+        wire.decode(frames, a, D2P)
+    with pytest.raises(wire.AuthError, match="failed its MAC check"):
+        wire.decode(frames, TransferAuth(OTHER), P2D)
+    # without the key: refused either way round, naming the variable to set
+    with pytest.raises(wire.AuthError, match="KVATLAS_TRANSFER_KEY"):
+        wire.decode(frames, None, P2D)
+    with pytest.raises(wire.AuthError, match="not authenticated.*KVATLAS_TRANSFER_KEY"):
+        wire.decode(wire.encode(wire.Ack(transfer_id=1, room=5)), a, P2D)
+    # every message gets a fresh nonce: the same message never repeats a one-time key
+    again = wire.encode(pages_msg(5), a, P2D)
+    assert again[0] != frames[0] and again[-1] != frames[-1]
+
+
+def test_key_validation_names_the_variable() -> None:
+    with pytest.raises(ValueError, match="KVATLAS_TRANSFER_KEY.*at least 16"):
+        keyed("short")
+    assert KEY not in repr(keyed())  # never in a logged config
+
+
+async def transfer(rig: Rig, s_key: str | None, r_key: str | None, room: int = 11):
+    lay = layout()
+    src, dst = pool(lay, 8, 1), pool(lay, 8, None)
+    s = await rig.sender(lay, src, keyed(s_key))
+    r = await rig.receiver(lay, dst, keyed(r_key))
+    s.create(room)
+    res = await asyncio.gather(r.receive(room, [s.endpoint], [0, 1, 2]),
+                               s.send(room, [3, 4, 5], first_token=1, cached_tokens=0),
+                               return_exceptions=True)
+    return s, r, src, dst, res
+
+
+async def test_keyed_transfer_round_trip(rig: Rig) -> None:
+    s, r, src, dst, (res, sent) = await transfer(rig, KEY, KEY)
+    assert sent is None and res.num_pages == 3
+    assert torch.equal(pages_of(dst, [0, 1, 2]), pages_of(src, [3, 4, 5]))
+    assert s.stats["auth_failures"] == r.stats["auth_failures"] == 0
+
+
+@pytest.mark.parametrize("s_key, r_key", [(KEY, None), (None, KEY), (KEY, OTHER)])
+async def test_without_the_key_nothing_registers(rig: Rig, s_key, r_key) -> None:
+    s, r, _, dst, (err, _) = await transfer(rig, s_key, r_key)
+    assert isinstance(err, TransferError)
+    assert "authentication" in str(err) and "KVATLAS_TRANSFER_KEY" in str(err)
+    assert s.registered_peers() == {}
+    assert bool((dst.float() == -7.0).all()) and rig.released == [[0, 1, 2]]
+
+
+async def test_a_forged_rank_cannot_deliver_kv(rig: Rig) -> None:
+    """The decode resolved a rank that an attacker registered (e.g. a forged PUT /route): the
+    attacker's sender runs the real protocol, but without the key its KV never reaches the pool."""
+    lay = layout()
+    forged = await rig.sender(lay, pool(lay, 8, 99), fast_config())
+    dst = pool(lay, 8, None)
+    r = await rig.receiver(lay, dst, keyed())
+    forged.create(12)
+    err, _ = await asyncio.gather(r.receive(12, [forged.endpoint], [0, 1]),
+                                  forged.send(12, [0, 1], first_token=666, cached_tokens=0),
+                                  return_exceptions=True)
+    assert isinstance(err, TransferError) and "authentication" in str(err)
+    assert bool((dst.float() == -7.0).all()) and r.stats["auth_failures"] >= 1
+
+
+async def test_unkeyed_abort_and_request_are_ignored(rig: Rig, caplog) -> None:
+    """A peer without the key that reaches the prefill's port cannot abort a room or ask for it."""
+    lay = layout()
+    s = await rig.sender(lay, pool(lay, 8, 1), keyed())
+    good = await rig.receiver(lay, pool(lay, 8, None), keyed())
+    s.create(21)
+    rx = asyncio.create_task(good.receive(21, [s.endpoint], [0, 1]))
+    await s.wait_bootstrapped(21)
+    # the attacker speaks the wire format on its own connection, but has no key
+    sock_frames = [wire.encode(wire.Abort(room=21, transfer_id=None, reason="forged")),
+                   wire.encode(wire.Request(transfer_id=1, room=21, dst_rank=0, num_requesters=1,
+                                            dst_page_ids=(0, 1)))]
+    for frames in sock_frames:
+        await s._on_frames(b"attacker", frames)
+    assert s.poll(21) is TransferState.WAITING_FOR_INPUT
+    assert s.stats["auth_failures"] == 2
+    await s.send(21, [2, 3], first_token=1, cached_tokens=0)
+    assert (await rx).num_pages == 2
+
+
+def test_start_up_warns_without_a_key(caplog: pytest.LogCaptureFixture) -> None:
+    async def start() -> None:
+        rig = Rig("zmq")
+        lay = layout()
+        await rig.sender(lay, pool(lay, 2, 1))
+        await rig.receiver(lay, pool(lay, 2, None))
+        await rig.sender(lay, pool(lay, 2, 1), keyed())
+        await rig.close()
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(start())
+    warned = [r.getMessage() for r in caplog.records if "without transfer authentication" in
+              r.getMessage()]
+    assert len(warned) == 2 and all("KVATLAS_TRANSFER_KEY" in m for m in warned)
