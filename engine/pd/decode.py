@@ -26,7 +26,8 @@ from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from engine import openai_api
 from engine import server as mono
 from engine.errors import BadRequest
-from engine.http_common import STATE_KEY, EngineState, sse_response, sse_send
+from engine.http_common import (STATE_KEY, EngineState, sse_response, sse_send,
+                                until_disconnected)
 from engine.metrics import make_registry
 from engine.pd.batch import (PDItem, answer_batch, item_ids, read_openai_item,
                              read_pd_items)
@@ -76,8 +77,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     # the reservation is settled: the replica tracks reservations by id
     with ds.engine.claim(item_ids(items)):
         if not batch:
-            return await decode_item(request, ds, items[0])
-        return await answer_batch([decode_item(request, ds, item) for item in items])
+            return await until_disconnected(request, decode_item(request, ds, items[0]))
+        return await until_disconnected(request, answer_batch(
+            [decode_item(request, ds, item) for item in items]))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -103,7 +105,7 @@ async def serve_openai(request: web.Request, chat: bool) -> web.StreamResponse:
                                         with_usage=with_usage, chat=chat)
 
     with ds.engine.claim(rids):
-        return await decode_item(request, ds, item, answer)
+        return await until_disconnected(request, decode_item(request, ds, item, answer))
 
 
 def check_item(ds: DecodeState, item: PDItem) -> None:

@@ -28,7 +28,7 @@ from bootstrap.server import STATE as BOOTSTRAP_STATE
 from bootstrap.server import create_app as create_bootstrap_app
 from engine import server as mono
 from engine.errors import BadRequest, CapacityError
-from engine.http_common import STATE_KEY, EngineState
+from engine.http_common import STATE_KEY, EngineState, until_disconnected
 from engine.metrics import make_registry
 from engine.pd.batch import (PDItem, answer_batch, item_ids, read_openai_item,
                              read_pd_items)
@@ -97,28 +97,33 @@ async def generate(request: web.Request) -> web.StreamResponse:
     items, batch = await read_pd_items(request)
     for item in items:  # all refused before any starts (a prefill keeps the prompt's KV only)
         ps.engine.scheduler.check_fits(len(item.gen.prompt), 1)
-    return await prefill_items(ps, items, batch)
+    return await prefill_items(request, items, batch)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """OpenAI requests prefill exactly as /generate ones; the router reads only the status."""
     item, _ = await read_openai_item(request, chat=False)
-    return await prefill_items(request.app[PREFILL_KEY], [item], False, request.path)
+    return await prefill_items(request, [item], False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     item, _ = await read_openai_item(request, chat=True)
-    return await prefill_items(request.app[PREFILL_KEY], [item], False, request.path)
+    return await prefill_items(request, [item], False)
 
 
-async def prefill_items(ps: PrefillState, items: list[PDItem], batch: bool,
-                        path: str = "/generate") -> web.Response:
+async def prefill_items(request: web.Request, items: list[PDItem], batch: bool
+                        ) -> web.Response:
+    ps = request.app[PREFILL_KEY]
     # A duplicate id is refused (409) before any room or page is touched; the claim lasts
     # until the held pages are given back, which the scheduler tracks by id.
     with ps.engine.claim(item_ids(items)):
+        # A router whose client left closes this connection: the prefill stops (its pages
+        # back, its room failed) whatever runner serves the app, not only one made with
+        # handler_cancellation.
         if not batch:
-            return await prefill_item(ps, items[0], path)
-        return await answer_batch([prefill_item(ps, item) for item in items])
+            return await until_disconnected(request, prefill_item(ps, items[0], request.path))
+        return await until_disconnected(request, answer_batch(
+            [prefill_item(ps, item) for item in items]))
 
 
 async def prefill_item(ps: PrefillState, item: PDItem, path: str = "/generate") -> web.Response:
@@ -184,8 +189,13 @@ async def prefill_one(ps: PrefillState, prompt: list[int], params: Any, rid: str
     except TransferError as exc:
         ps.stats["failed"] += 1
         return json_error(502, str(exc), room=room, stage=exc.stage.name if exc.stage else None)
+    except BaseException as exc:
+        # cancelled (the client left) before the send waited on the room, which alone fails
+        # it then: fail it here, or it stays open and a decode may still ask for it
+        ps.sender.abort(room, f"prefill did not finish: {type(exc).__name__}")
+        raise
     finally:
-        await engine.call(ps.replica.release_held, rid)
+        await asyncio.shield(engine.call(ps.replica.release_held, rid))
     ps.stats["sent"] += 1
     return web.json_response({
         "text": "", "output_ids": [first],

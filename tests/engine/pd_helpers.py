@@ -8,7 +8,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
+from yarl import URL
 
 from engine.pd.decode import DECODE_KEY, create_decode_app
 from engine.pd.prefill import PREFILL_KEY, create_prefill_app
@@ -92,12 +94,37 @@ class Pair:
         return self.decode.app[DECODE_KEY]
 
 
+class PlainServer:
+    """An app behind aiohttp's default runner (``web.AppRunner``), which, unlike TestServer,
+    does not cancel a handler whose client hung up."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+        self.port = free_port()
+        self._runner = web.AppRunner(app)
+
+    async def start_server(self) -> None:
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    def make_url(self, path: str) -> URL:
+        return URL(f"http://127.0.0.1:{self.port}{path}")
+
+    async def close(self) -> None:
+        await self._runner.cleanup()
+
+
 async def start_pair(decode_over: dict[str, Any] | None = None,
-                     prefill_over: dict[str, Any] | None = None) -> Pair:
+                     prefill_over: dict[str, Any] | None = None,
+                     plain_runner: bool = False) -> Pair:
     pcfg = pd_config("prefill", **(prefill_over or {}))
     dcfg = pd_config("decode", **(decode_over or {}))
-    prefill = TestServer(create_prefill_app(pcfg), host="127.0.0.1")
-    decode = TestServer(create_decode_app(dcfg), host="127.0.0.1")
+    if plain_runner:
+        prefill: Any = PlainServer(create_prefill_app(pcfg))
+        decode: Any = PlainServer(create_decode_app(dcfg))
+    else:
+        prefill = TestServer(create_prefill_app(pcfg), host="127.0.0.1")
+        decode = TestServer(create_decode_app(dcfg), host="127.0.0.1")
     await prefill.start_server()
     await decode.start_server()
     return Pair(prefill, decode, pcfg.bootstrap_port)

@@ -2,13 +2,16 @@
 process group (its rank processes included), killed on teardown."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import requests_shim as http
 
@@ -81,3 +84,32 @@ class Proc:
             pass
         self.log.close()
         Path(self.log.name).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def proc_pair(*extra: str, prefill_extra: tuple[str, ...] = (),
+              decode_extra: tuple[str, ...] = ()) -> Iterator[tuple[Proc, Proc]]:
+    """A ready prefill and decode process (``extra`` flags for both), stopped on exit."""
+    prefill = Proc("prefill", *extra, *prefill_extra)
+    decode = Proc("decode", *extra, *decode_extra)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        yield prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+async def internal_states(session: Any, url: str) -> dict[str, Any]:
+    """The worker's scheduler and pool accounting, as its /server_info reports it."""
+    async with session.get(url + "/server_info") as r:
+        return (await r.json())["internal_states"][0]
+
+
+async def assert_at_rest(session: Any, *urls: str) -> None:
+    """Nothing queued, running or held, no page in use or referenced, on every worker."""
+    for url in urls:
+        st = await internal_states(session, url)
+        assert (st["running"], st["waiting"], st["kv_pages_used"], st["kv_page_refs"],
+                st["held_requests"]) == (0, 0, 0, 0, 0), (url, st)

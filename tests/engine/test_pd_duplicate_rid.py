@@ -13,7 +13,7 @@ import pytest
 
 from engine_helpers import assert_idle, wait_until
 from pd_helpers import Pair, dual, fast_transfer, new_room, pd_body, start_pair
-from pd_procs import Proc
+from pd_procs import assert_at_rest, internal_states, proc_pair
 
 pytestmark = pytest.mark.timeout(120)
 IDS = [256, *b"a prompt served by the disaggregated pair, more than one block"]
@@ -168,22 +168,12 @@ async def test_a_burst_under_one_rid_on_real_processes(etcd_endpoint: str,
     accounting each reports in /server_info is back at rest afterwards."""
     common = ("--etcd", etcd_endpoint, "--etcd-prefix", key_prefix,
               "--transfer-bootstrap-timeout", "2")
-    prefill = Proc("prefill", *common, "--instance-id", "dup-pre")
-    decode = Proc("decode", *common, "--instance-id", "dup-dec")
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
+    with proc_pair(*common, prefill_extra=("--instance-id", "dup-pre"),
+                   decode_extra=("--instance-id", "dup-dec")) as (prefill, decode):
         async with aiohttp.ClientSession() as s:
-            async def states(url: str) -> dict[str, Any]:
-                async with s.get(url + "/server_info") as r:
-                    return (await r.json())["internal_states"][0]
-
-            async def decoding() -> bool:
-                return (await states(decode.url))["running"] == 1
-
             first = asyncio.create_task(dual(s, prefill.url, decode.url,
                                              {**pd_body(IDS, 600, prefill.bport), "rid": "r"}))
-            while not await decoding():
+            while (await internal_states(s, decode.url))["running"] != 1:
                 await asyncio.sleep(0.05)
             dups = await asyncio.gather(*(dual(s, prefill.url, decode.url,
                                                {**pd_body(IDS, 5, prefill.bport), "rid": "r"})
@@ -192,10 +182,4 @@ async def test_a_burst_under_one_rid_on_real_processes(etcd_endpoint: str,
             assert all(p in (409, 502) for (p, _), _ in dups), dups
             (pstatus, _), (dstatus, _) = await first
             assert (pstatus, dstatus) == (200, 200)
-            for url in (prefill.url, decode.url):
-                st = await states(url)
-                assert (st["running"], st["waiting"], st["kv_pages_used"], st["kv_page_refs"],
-                        st["held_requests"]) == (0, 0, 0, 0, 0), (url, st)
-    finally:
-        prefill.stop()
-        decode.stop()
+            await assert_at_rest(s, prefill.url, decode.url)
