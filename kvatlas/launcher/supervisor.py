@@ -21,7 +21,7 @@ from pathlib import Path
 from kvatlas.etcd_proc import find_etcd_binary
 from kvatlas.launcher.state import ClusterState, ProcessRecord, proc_start_time
 from kvatlas.launcher.topology import (SECRET_FLAGS, LocalNetwork, Service, Topology,
-                                       split_secrets)
+                                       process_args)
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class LocalCluster:
         """(argv, secrets for the environment) of ``svc``'s process."""
         if svc.role == "etcd":
             return [find_etcd_binary(), *svc.args], {}
-        argv, secrets = split_secrets(svc.args)
+        argv, secrets = process_args(svc)
         return [sys.executable, "-m", "kvatlas", *argv], secrets
 
     def launch(self, svc: Service) -> ProcessRecord:

@@ -17,6 +17,7 @@ from index.keys import KeyLayout, validate_model
 from kvatlas.commands._common import ETCD_PASSWORD_ENV
 from kvatlas.etcd_proc import COMPACTION_ARGS, free_port
 from router.config import ADMIN_TOKEN_ENV
+from transfer.base import TRANSFER_KEY_ENV
 
 ROLES = ("etcd", "prefill", "decode", "router")
 ENGINE_MODES = ("pd", "monolithic")
@@ -28,6 +29,13 @@ SECRET_ENV = {"--auth-token": AUTH_TOKEN_ENV, "--admin-token": ADMIN_TOKEN_ENV,
               "--etcd-password": ETCD_PASSWORD_ENV}
 """Secret flags and the environment variables each process reads them from instead."""
 SECRET_FLAGS = frozenset(SECRET_ENV)
+
+
+def process_args(svc: "Service") -> tuple[list[str], dict[str, str]]:
+    """(``svc``'s arguments without secret flags, every secret it needs as environment
+    variables): the secret flags' values, and the secrets that have no flag (``svc.env``)."""
+    argv, env = split_secrets(svc.args)
+    return argv, {**env, **svc.env}
 
 
 def split_secrets(args: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -132,6 +140,9 @@ class Service:
     """GET path that answers 200 once the process is up (the router: /readiness)."""
     depends_on: list[str] = field(default_factory=list)
     extra_ports: dict[str, int] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    """Secrets that have no flag at all, only a variable (the KV transfer key): set in the
+    process's environment next to those split off ``args``."""
 
     @property
     def url(self) -> str:
@@ -168,6 +179,9 @@ class Topology:
     """Bootstrap write token (``--auth-token`` of prefill instances); None: generated."""
     admin_token: str | None = None
     """Router admin token (``--admin-token``); None: generated."""
+    transfer_key: str | None = None
+    """KV transfer MAC key of every prefill and decode rank (``KVATLAS_TRANSFER_KEY``, never a
+    flag); None: generated."""
     lease_ttl: int = 10
     """Instance lease TTL in seconds."""
     health_interval: float = 2.0
@@ -193,6 +207,8 @@ class Topology:
             self.auth_token = secrets.token_hex(24)
         if self.admin_token is None:
             self.admin_token = secrets.token_hex(24)
+        if self.transfer_key is None:
+            self.transfer_key = secrets.token_hex(32)
 
     # --- names -----------------------------------------------------------------------------
 
@@ -267,7 +283,7 @@ class Topology:
                     "--lease-ttl", str(self.lease_ttl), *self._pd_flags(net, name),
                     *self._etcd_args(net)]
         return Service(name, "prefill", args, net.host(name), port, "/health",
-                       depends_on=self.etcd_names(), extra_ports=extra)
+                       depends_on=self.etcd_names(), extra_ports=extra, env=self._pd_env())
 
     def _decode(self, net: Network, name: str) -> Service:
         port = net.port(name, "http")
@@ -279,7 +295,12 @@ class Topology:
                     "--lease-ttl", str(self.lease_ttl), *self._pd_flags(net, name),
                     *self._etcd_args(net)]
         return Service(name, "decode", args, net.host(name), port, "/health",
-                       depends_on=self.etcd_names())
+                       depends_on=self.etcd_names(), env=self._pd_env())
+
+    def _pd_env(self) -> dict[str, str]:
+        """Prefill and decode ranks MAC their KV transfer messages with one shared key
+        (monolithic stand-ins transfer nothing)."""
+        return {TRANSFER_KEY_ENV: str(self.transfer_key)} if self.engine_mode == "pd" else {}
 
     def _router(self, net: Network, others: list[Service]) -> Service:
         name = "router"

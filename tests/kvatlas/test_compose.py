@@ -10,15 +10,15 @@ import pytest
 
 from kvatlas.etcd_proc import COMPACTION_ARGS
 from kvatlas.launcher.compose import compose_document, compose_topology, compose_yaml
-from kvatlas.launcher.topology import SECRET_FLAGS, LocalNetwork, normalized, split_secrets
+from kvatlas.launcher.topology import (SECRET_FLAGS, LocalNetwork, Service, normalized,
+                                       process_args)
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 
 
-def _local_services() -> dict[str, list[str]]:
-    topo = compose_topology()
-    return {s.name: s.args for s in topo.services(LocalNetwork(data_root="/tmp/x"))}
+def _local_list() -> list[Service]:
+    return compose_topology().services(LocalNetwork(data_root="/tmp/x"))
 
 
 def test_committed_file_is_generated_from_the_topology() -> None:
@@ -29,7 +29,7 @@ def test_committed_file_is_generated_from_the_topology() -> None:
 
 def test_compose_and_launcher_run_the_same_commands() -> None:
     doc = compose_document()
-    local = _local_services()
+    local = {s.name: s for s in _local_list()}
     assert set(doc["services"]) == set(local) == {
         "etcd0", "etcd1", "etcd2", "prefill-0", "prefill-1", "decode-0", "router"}
     for name, svc in doc["services"].items():
@@ -38,10 +38,10 @@ def test_compose_and_launcher_run_the_same_commands() -> None:
             assert program.endswith("etcd")
             for flag in COMPACTION_ARGS:
                 assert flag in args, f"{name} lacks the compaction setting {flag}"
-            assert [a.split("=")[0] for a in args] == [a.split("=")[0] for a in local[name]]
+            assert [a.split("=")[0] for a in args] == [a.split("=")[0] for a in local[name].args]
         else:
             assert program == "kvatlas"
-            argv, secrets = split_secrets(local[name])
+            argv, secrets = process_args(local[name])
             assert normalized(args) == normalized(argv), name
             # The same secrets, from the environment in both.
             assert set(svc.get("environment", {})) == set(secrets), name
@@ -57,10 +57,10 @@ def test_parsed_yaml_matches_the_topology() -> None:
     parsed = yaml.safe_load(COMPOSE.read_text())
     doc = compose_document()
     assert parsed == doc
-    local = _local_services()
+    local = {s.name: s for s in _local_list()}
     for name, svc in parsed["services"].items():
         if svc["command"][0] == "kvatlas":
-            assert normalized(svc["command"][1:]) == normalized(split_secrets(local[name])[0])
+            assert normalized(svc["command"][1:]) == normalized(process_args(local[name])[0])
 
 
 def test_health_gates_and_loopback_publishing() -> None:
@@ -86,6 +86,9 @@ def test_secrets_are_required_not_defaulted_and_kept_off_command_lines() -> None
         args = services[name]["command"]
         token = services[name]["environment"]["KVATLAS_AUTH_TOKEN"]
         assert token.startswith("${KVATLAS_AUTH_TOKEN:?"), (name, token)
+        # KV transfers are MAC'd with one key that every prefill and decode requires.
+        key = services[name]["environment"]["KVATLAS_TRANSFER_KEY"]
+        assert key.startswith("${KVATLAS_TRANSFER_KEY:?"), (name, key)
         # Peers dial the service name (etcd url, bootstrap host, rank_ip), not 0.0.0.0.
         assert args[args.index("--advertise-host") + 1] == name
     for name, svc in services.items():
@@ -99,7 +102,8 @@ def test_docker_compose_config_validates() -> None:
             pytest.fail("docker-compose is not installed: .ci/run installs it with apt-get")
         pytest.skip("docker-compose is not installed (CI installs it); the YAML is still "
                     "checked by the other tests")
-    env = {**os.environ, "KVATLAS_AUTH_TOKEN": "test-token-1", "KVATLAS_ADMIN_TOKEN": "admin-token-1"}
+    env = {**os.environ, "KVATLAS_AUTH_TOKEN": "test-token-1", "KVATLAS_ADMIN_TOKEN": "admin-token-1",
+           "KVATLAS_TRANSFER_KEY": "transfer-key-0123456789"}
     out = subprocess.run([tool, "-f", str(COMPOSE), "config", "--services"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -9,7 +9,9 @@ import pytest
 from bootstrap.client import BootstrapClientConfig
 from bootstrap.config import BootstrapConfig
 from kvatlas.commands._common import add_etcd_args, etcd_settings
+from kvatlas.launcher.topology import LocalNetwork, Topology, process_args
 from router.config import RouterConfig
+from transfer import TransferConfig
 
 
 def parsed(add: object, argv: list[str]) -> argparse.Namespace:
@@ -50,3 +52,31 @@ def test_etcd_password_needs_a_user(monkeypatch: pytest.MonkeyPatch) -> None:
     # Without a user the variable is ignored, rather than failing "user and password together".
     settings = etcd_settings(parsed(add_etcd_args, []))
     assert (settings.user, settings.password) == (None, None)
+
+
+def test_transfer_key_comes_from_the_environment_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVATLAS_TRANSFER_KEY reaches the engine's TransferConfig; no flag could carry it into ps."""
+    parser = argparse.ArgumentParser()
+    TransferConfig.add_cli_args(parser)
+    assert not [a for a in parser._actions if "key" in a.dest]
+    monkeypatch.setenv("KVATLAS_TRANSFER_KEY", "transfer-key-from-the-env")
+    assert TransferConfig.from_cli_args(parser.parse_args([])).key == "transfer-key-from-the-env"
+    monkeypatch.setenv("KVATLAS_TRANSFER_KEY", "short")
+    with pytest.raises(ValueError, match="KVATLAS_TRANSFER_KEY.*at least 16 characters"):
+        TransferConfig.from_cli_args(parser.parse_args([]))
+    monkeypatch.delenv("KVATLAS_TRANSFER_KEY")
+    assert TransferConfig.from_cli_args(parser.parse_args([])).key is None
+
+
+def test_cluster_up_generates_the_transfer_key_into_the_environment() -> None:
+    a, b = Topology(), Topology()
+    assert a.transfer_key and a.transfer_key != b.transfer_key
+    for svc in a.services(LocalNetwork()):
+        argv, env = process_args(svc)
+        assert a.transfer_key not in " ".join(argv), svc.name
+        if svc.role in ("prefill", "decode"):
+            assert env["KVATLAS_TRANSFER_KEY"] == a.transfer_key, svc.name
+        else:
+            assert "KVATLAS_TRANSFER_KEY" not in env, svc.name
+    mono = Topology(engine_mode="monolithic")
+    assert not any(s.env for s in mono.services(LocalNetwork()))
