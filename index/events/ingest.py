@@ -18,7 +18,13 @@ Sequence numbers (one publisher = one counter from 0):
   replayed batches; without one (or when replay cannot fill the gap) clear the instance and mark
   it ``resyncing``: its earlier blocks are unknown, and blocks chained to them will be refused as
   ``unknown_parent`` until the engine's cache turns over;
-- backwards (and not a replay duplicate): the engine restarted, its cache is empty: clear;
+- backwards (and not a replay duplicate): the engine restarted, its cache is empty: clear, and
+  the new process's numbers start a new sequence (a gap in it is replayed from its own start);
+- a duplicate is a live copy of a batch a replay already delivered: within the replayed range
+  *and* with the same publisher timestamp. A restarted engine's batch can carry a replayed number
+  (its first batches lost to the slow joiner) but never its timestamp, so it is a restart;
+- batches that arrive during a replay are held back and then sequenced as the live batches they
+  are (a restart among them is noticed), only without a second replay round;
 - ``AllBlocksCleared``: clear; the index is complete again, so ``resyncing`` ends.
 
 Namespaces (what makes two equal token runs different blocks):
@@ -115,6 +121,9 @@ class InstanceIngestor:
         self._trigger: tuple[int, KVEventBatch] | None = None
         self._held_back: deque[tuple[int, KVEventBatch]] = deque(maxlen=max_held_back)
         self._dup_range: tuple[int, int] | None = None
+        # seq -> publisher timestamp of batches applied since a replay began, while live copies
+        # of them may still arrive (at most a replay's worth: the publisher keeps 10,000).
+        self._replayed_ts: dict[int, float] = {}
 
     @property
     def state(self) -> State:
@@ -134,11 +143,16 @@ class InstanceIngestor:
             # Live traffic that overtakes a replay waits (bounded) until the replay ends.
             self._held_back.append((seq, batch))
             return None
-        if not replayed and self._dup_range is not None and seq > self._dup_range[1]:
-            self._dup_range = None  # live traffic is past everything the replay delivered
+        return await self._sequence(seq, batch, replayed=replayed)
+
+    async def _sequence(self, seq: int, batch: KVEventBatch, *, replayed: bool,
+                        held: bool = False) -> ReplayRequest | None:
+        live = not replayed and not held
+        if live and self._dup_range is not None and seq > self._dup_range[1]:
+            self._end_duplicates()  # live traffic is past everything the replay delivered
         last = self.stats.last_seq
         if last is not None and seq <= last:
-            if replayed or self._is_duplicate(seq):
+            if replayed or self._is_duplicate(seq, batch):
                 self.stats.duplicates += 1
                 return None
             log.info("instance %s: sequence went back from %d to %d; engine restarted, clearing",
@@ -146,12 +160,13 @@ class InstanceIngestor:
             self.stats.restarts += 1
             await self._reset()
             self._state = "synced"
-            self._dup_range = None
-            last = None
+            self._end_duplicates()
+            # The old process's numbers are over: a replay must start from the new one's 0.
+            self.stats.last_seq = last = None
         expected = 0 if last is None else last + 1
         if seq != expected:
             self.stats.gaps += 1
-            if self.replay and not replayed:
+            if self.replay and live:
                 log.info("instance %s: gap (expected seq %d, got %d); replaying",
                          self.instance, expected, seq)
                 self._replaying = True
@@ -163,10 +178,17 @@ class InstanceIngestor:
             await self._reset()
             self._state = "resyncing"
         await self._apply(seq, batch)
+        if self._replaying or self._dup_range is not None:
+            self._replayed_ts[seq] = batch.ts
         return None
 
-    def _is_duplicate(self, seq: int) -> bool:
-        return self._dup_range is not None and self._dup_range[0] <= seq <= self._dup_range[1]
+    def _is_duplicate(self, seq: int, batch: KVEventBatch) -> bool:
+        return (self._dup_range is not None and self._dup_range[0] <= seq <= self._dup_range[1]
+                and self._replayed_ts.get(seq) == batch.ts)
+
+    def _end_duplicates(self) -> None:
+        self._dup_range = None
+        self._replayed_ts.clear()
 
     async def replay_finished(self, ok: bool) -> None:
         """The replay stream ended (``ok``: end marker seen) or failed (timeout, no ROUTER)."""
@@ -184,13 +206,13 @@ class InstanceIngestor:
                         self.instance, trig_seq)
             await self._reset()
             self._state = "resyncing"
+            self._end_duplicates()
             await self._apply(trig_seq, trig_batch)
-            self._dup_range = None
         held = list(self._held_back)
         self._held_back.clear()
         for seq, batch in held:
             # A second gap among held-back batches is handled without another replay round.
-            await self.on_batch(seq, batch, replayed=True)
+            await self._sequence(seq, batch, replayed=False, held=True)
         if self._dup_range is not None and self.stats.last_seq is not None:
             # Live copies of everything applied so far may still be queued in the SUB socket.
             self._dup_range = (self._dup_range[0], self.stats.last_seq)

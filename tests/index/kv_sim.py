@@ -4,7 +4,8 @@ from __future__ import annotations
 import hashlib
 from typing import Literal
 
-from index.events.types import BlockRemoved, BlockStored
+from index.events.codec import decode_payload, encode_payload
+from index.events.types import BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from index.hashing import block_hashes
 
 HashStyle = Literal["signed", "unsigned", "bytes"]
@@ -71,3 +72,24 @@ def norm(h: int | bytes) -> int:
 
 def own(tokens: list[int], bs: int) -> list[int]:
     return block_hashes(tokens, bs)
+
+
+def branching_prompts(bs: int) -> list[list[int]]:
+    """Three prompts sharing leading blocks, so that chains branch and share parents."""
+    return [list(range(6 * bs)), list(range(2 * bs)) + list(range(500, 500 + 4 * bs)),
+            list(range(2 * bs)) + list(range(500, 500 + bs)) + list(range(900, 900 + 3 * bs))]
+
+
+def block_key(prompts: list[list[int]], bs: int, p: int, b: int) -> tuple[int, int]:
+    """Block ``b`` of prompt ``p`` as (the first prompt with that token prefix, b): prompts
+    sharing a prefix share the block."""
+    for q in range(p):
+        if prompts[q][:(b + 1) * bs] == prompts[p][:(b + 1) * bs]:
+            return (q, b)
+    return (p, b)
+
+
+def stamped(ts: float, *events: KVEvent) -> KVEventBatch:
+    """A batch through the real codec, with the publisher's timestamp ``ts`` (what tells a live
+    copy of a replayed batch from a restarted engine's batch of the same number)."""
+    return decode_payload(encode_payload(KVEventBatch(ts, list(events))))

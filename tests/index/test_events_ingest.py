@@ -7,7 +7,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from kv_sim import SimEngine, own
+from kv_sim import SimEngine, block_key, branching_prompts, own, stamped
 
 from index.events.codec import decode_payload, encode_payload
 from index.events.ingest import InstanceIngestor, ReplayRequest
@@ -201,9 +201,7 @@ def _fields(ev: BlockStored) -> dict:
     return {f: getattr(ev, f) for f in BlockStored.__slots__}
 
 
-# Three prompts sharing leading blocks, so chains branch and share parents.
-_PROMPTS = [list(range(6 * BS)), list(range(2 * BS)) + list(range(500, 500 + 4 * BS)),
-            list(range(2 * BS)) + list(range(500, 500 + BS)) + list(range(900, 900 + 3 * BS))]
+_PROMPTS = branching_prompts(BS)
 
 
 class IngestMachine(RuleBasedStateMachine):
@@ -227,11 +225,7 @@ class IngestMachine(RuleBasedStateMachine):
         self.seq += 1
 
     def key(self, p: int, b: int) -> tuple[int, int]:
-        # Blocks are identified by their token prefix: prompts sharing a prefix share the block.
-        for q in range(p):
-            if _PROMPTS[q][:(b + 1) * BS] == _PROMPTS[p][:(b + 1) * BS]:
-                return (q, b)
-        return (p, b)
+        return block_key(_PROMPTS, BS, p, b)
 
     @rule(p=st.integers(0, 2), start=st.integers(0, 5), n=st.integers(1, 3))
     def store(self, p: int, start: int, n: int) -> None:
@@ -280,3 +274,56 @@ async def test_clear_inside_a_replay_does_not_turn_live_duplicates_into_a_restar
         await ing.on_batch(seq, b[seq])
     assert ing.stats.restarts == 0 and ing.stats.duplicates == 2
     assert idx.lookup(own(tokens, BS)) == {"p0": 1} and ing.state == "synced"
+
+
+async def test_a_restart_is_noticed_inside_the_replayed_range() -> None:
+    """After a replay of 1..3, a restarted engine whose batches 0 and 1 were lost (slow joiner)
+    sends 2 and 3: the same numbers as replayed batches, but not their copies."""
+    old, new = SimEngine(BS, salt=b"old"), SimEngine(BS, salt=b"new")
+    idx, ing = make(replay=True)
+    b = [stamped(i, old.vllm_store(PROMPT[:(i + 1) * BS], start_block=i)) for i in range(4)]
+    await ing.on_batch(0, b[0])
+    assert await ing.on_batch(2, b[2]) == ReplayRequest(1)
+    for seq in (1, 2, 3):
+        await ing.on_batch(seq, b[seq], replayed=True)
+    await ing.replay_finished(True)
+    assert idx.lookup(own(PROMPT, BS)) == {"p0": 4}
+    other = list(range(1000, 1000 + 4 * BS))
+    nb = [stamped(100 + i, new.vllm_store(other[:(i + 1) * BS], start_block=i)) for i in range(4)]
+    assert await ing.on_batch(2, nb[2]) == ReplayRequest(0)
+    assert ing.stats.restarts == 1 and ing.stats.duplicates == 0
+    assert idx.instances() == set(), "nothing of the old process is claimed"
+    for seq in range(4):  # the new process's ROUTER replays from its own start
+        await ing.on_batch(seq, nb[seq], replayed=True)
+    await ing.replay_finished(True)
+    assert ing.state == "synced" and idx.lookup(own(other, BS)) == {"p0": 4}
+
+
+async def test_a_restart_among_held_back_batches_is_noticed() -> None:
+    old, new = SimEngine(BS, salt=b"old"), SimEngine(BS, salt=b"new")
+    idx, ing = make(replay=True)
+    await ing.on_batch(0, stamped(0, old.vllm_store(PROMPT[:BS])))
+    assert await ing.on_batch(2, stamped(2, old.vllm_store(PROMPT[:2 * BS]))) == ReplayRequest(1)
+    other = list(range(1000, 1000 + BS))
+    await ing.on_batch(0, stamped(100, new.vllm_store(other)))  # held back: a new process
+    await ing.replay_finished(False)  # its old ROUTER is gone
+    assert ing.stats.restarts == 1 and ing.stats.duplicates == 0
+    assert ing.state == "synced" and idx.blocks("p0") == set(own(other, BS))
+
+
+async def test_a_replay_after_a_restart_starts_the_new_sequence() -> None:
+    """A restart noticed by a gap (0 lost, 1 arrives) asks for replay from 0, and the replayed
+    batches of the new process are applied, not taken for the old one's duplicates."""
+    old, new = SimEngine(BS, salt=b"old"), SimEngine(BS, salt=b"new")
+    idx, ing = make(replay=True)
+    for seq in range(2):
+        await ing.on_batch(seq, stamped(seq, old.vllm_store(PROMPT[:(seq + 1) * BS],
+                                                            start_block=seq)))
+    other = list(range(1000, 1000 + 2 * BS))
+    nb = [stamped(100 + i, new.vllm_store(other[:(i + 1) * BS], start_block=i)) for i in range(2)]
+    assert await ing.on_batch(1, nb[1]) == ReplayRequest(0)
+    for seq in range(2):
+        await ing.on_batch(seq, nb[seq], replayed=True)
+    await ing.replay_finished(True)
+    assert ing.state == "synced" and ing.stats.duplicates == 0
+    assert idx.blocks("p0") == set(own(other, BS))
