@@ -1,5 +1,8 @@
-"""cuda_ipc backend on a machine without CUDA: clean failure, and the transport choice logic."""
+"""cuda_ipc backend: the transport choice logic, a clean failure without CUDA, and (with a GPU) a
+real two-process round trip that fails, never skips, when CUDA is present but IPC is broken."""
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
@@ -66,3 +69,42 @@ def test_unknown_backend() -> None:
     lay = layout()
     with pytest.raises(ValueError, match="unknown transfer backend 'rdma'"):
         create_receiver("rdma", fast_config(), lay, pool(lay, 2, None))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: torch.cuda.is_available() is False on this host, so the "
+                           "CUDA IPC round trip cannot run here (wherever a GPU is visible it runs, "
+                           "and a broken round trip fails)")
+@pytest.mark.timeout(120)
+async def test_cuda_ipc_round_trip_between_two_processes() -> None:
+    """A GPU prefill rank in its own process hands IPC handles (MAC'd) to a GPU decode pool.
+
+    Nothing here may turn a broken round trip into a skip: no IPC (driver or container refusal
+    makes the sender fall back to ``staged``), a wrong byte, or an error all fail."""
+    from transfer.backends.cuda_ipc import CudaIpcReceiver
+    from transfer_helpers import pages_of, spawn_sender
+
+    key = "cuda-ipc-round-trip-key-0123456789"
+    src_ids, dst_ids, room = [5, 1, 7, 2], [0, 6, 3, 4], 2 ** 62 + 3
+    proc, port = await spawn_sender("--backend", "cuda_ipc", "--device", "cuda", "--pages", "8",
+                                    "--seed", "23", "--rooms", str(room),
+                                    "--src", ",".join(map(str, src_ids)), key=key)
+    lay = layout()
+    dst = pool(lay, 8, None).cuda()
+    r = CudaIpcReceiver(fast_config(key=key), lay, dst)
+    try:
+        res = await asyncio.wait_for(r.receive(room, [f"tcp://127.0.0.1:{port}"], dst_ids), 60)
+        sent = (await asyncio.wait_for(proc.stdout.readline(), 30)).split()
+        assert sent == [b"SENT", str(room).encode(), b"ipc"], (
+            f"the sender did not use CUDA IPC: {sent!r} (IPC refused between two processes on one "
+            "host: check the container's IPC namespace and the driver)")
+        assert res.num_pages == 4 and res.first_token == room % 1000
+        assert torch.equal(pages_of(dst.cpu(), dst_ids), pages_of(pool(lay, 8, 23), src_ids))
+        others = [p for p in range(8) if p not in dst_ids]
+        assert bool((pages_of(dst.cpu(), others).float() == -7.0).all())
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        await r.close()
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

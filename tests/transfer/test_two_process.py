@@ -2,40 +2,28 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from transfer_helpers import fast_config, layout, pages_of, pool
+from transfer_helpers import fast_config, layout, pages_of, pool, spawn_sender as spawn
 
 from transfer import HeartbeatMonitor, TransferError, TransferState
 from transfer.backends.zmq_backend import ZmqReceiver
 from transfer.layout import DTYPES
 
 pytestmark = pytest.mark.timeout(60)
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+KEY = "two-process-transfer-key-0123456789"
 
 
-async def spawn(*args: str) -> tuple[asyncio.subprocess.Process, int]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
-    proc = await asyncio.create_subprocess_exec(sys.executable, str(HERE / "sender_proc.py"), *args,
-                                                stdout=asyncio.subprocess.PIPE, env=env)
-    line = await asyncio.wait_for(proc.stdout.readline(), 30)
-    assert line.startswith(b"PORT "), line
-    return proc, int(line.split()[1])
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
-async def test_two_processes(dtype: str) -> None:
+@pytest.mark.parametrize("dtype, key", [("bfloat16", None), ("float64", None), ("bfloat16", KEY)])
+async def test_two_processes(dtype: str, key: str | None) -> None:
     src_ids, rooms = [9, 2, 3, 4, 15], [2 ** 63 - 5, 17]
     proc, port = await spawn("--dtype", dtype, "--seed", "11", "--rooms",
-                             ",".join(map(str, rooms)), "--src", ",".join(map(str, src_ids)))
+                             ",".join(map(str, rooms)), "--src", ",".join(map(str, src_ids)),
+                             key=key)
     lay = layout(dtype=DTYPES[dtype])
     dst = pool(lay, 12, None)
-    r = ZmqReceiver(fast_config(), lay, dst)
+    r = ZmqReceiver(fast_config(key=key), lay, dst)
     try:
         for i, room in enumerate(rooms):
             dst_ids = [i, 11 - i, 5, 6, 7]

@@ -1,7 +1,11 @@
 """Helpers shared by the transfer tests: small layouts, seeded pools, connected sender/receiver pairs."""
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -9,6 +13,8 @@ from transfer import (KVLayout, KVReceiver, KVSender, TensorPageSource, Transfer
                       create_receiver, create_sender)
 
 SMALL = dict(num_layers=3, num_heads=4, head_dim=8, page_size=4)
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 
 
 def layout(tp_rank: int = 0, tp_size: int = 1, dtype: torch.dtype = torch.bfloat16,
@@ -63,3 +69,17 @@ class Rig:
 def pages_of(t: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
     return t[:, :, list(ids)]
 
+
+async def spawn_sender(*args: str, key: str | None = None
+                       ) -> tuple[asyncio.subprocess.Process, int]:
+    """``sender_proc.py`` (a prefill rank in its own process) and its port; ``key`` goes into its
+    environment as ``KVATLAS_TRANSFER_KEY``, the way a real prefill gets it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
+    env.pop("KVATLAS_TRANSFER_KEY", None)
+    if key is not None:
+        env["KVATLAS_TRANSFER_KEY"] = key
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(HERE / "sender_proc.py"), *args,
+                                                stdout=asyncio.subprocess.PIPE, env=env)
+    line = await asyncio.wait_for(proc.stdout.readline(), 30)
+    assert line.startswith(b"PORT "), line
+    return proc, int(line.split()[1])
