@@ -82,7 +82,7 @@ async def test_cuda_ipc_round_trip_between_two_processes() -> None:
     Nothing here may turn a broken round trip into a skip: no IPC (driver or container refusal
     makes the sender fall back to ``staged``), a wrong byte, or an error all fail."""
     from transfer.backends.cuda_ipc import CudaIpcReceiver
-    from transfer_helpers import pages_of, spawn_sender
+    from transfer_helpers import pages_of, spawn_sender, stop
 
     key = "cuda-ipc-round-trip-key-0123456789"
     src_ids, dst_ids, room = [5, 1, 7, 2], [0, 6, 3, 4], 2 ** 62 + 3
@@ -104,7 +104,4 @@ async def test_cuda_ipc_round_trip_between_two_processes() -> None:
         assert bool((pages_of(dst.cpu(), others).float() == -7.0).all())
         assert await asyncio.wait_for(proc.wait(), 30) == 0
     finally:
-        await r.close()
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await stop(proc, r)

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 import torch
-from transfer_helpers import fast_config, layout, pages_of, pool, spawn_sender as spawn
+from transfer_helpers import fast_config, layout, pages_of, pool, spawn_sender as spawn, stop
 
 from transfer import HeartbeatMonitor, TransferError, TransferState
 from transfer.backends.zmq_backend import ZmqReceiver
@@ -33,10 +33,7 @@ async def test_two_processes(dtype: str, key: str | None) -> None:
             assert r.poll(room) is TransferState.SUCCESS
         assert await asyncio.wait_for(proc.wait(), 30) == 0
     finally:
-        await r.close()
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await stop(proc, r)
 
 
 async def test_prefill_killed_mid_transfer_fails_within_heartbeat_window() -> None:
@@ -61,7 +58,4 @@ async def test_prefill_killed_mid_transfer_fails_within_heartbeat_window() -> No
         assert loop.time() - t0 <= cfg.heartbeat_deadline_s + 5.0  # generous for a loaded host
         assert released == [[0, 3]] and r.connected_peers() == []
     finally:
-        await r.close()
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await stop(proc, r)

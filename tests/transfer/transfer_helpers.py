@@ -83,3 +83,11 @@ async def spawn_sender(*args: str, key: str | None = None
     line = await asyncio.wait_for(proc.stdout.readline(), 30)
     assert line.startswith(b"PORT "), line
     return proc, int(line.split()[1])
+
+
+async def stop(proc: asyncio.subprocess.Process, receiver: KVReceiver) -> None:
+    """End of a two-process test: close the decode side, then make sure the prefill is gone."""
+    await receiver.close()
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
