@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,10 +96,16 @@ def test_secrets_are_required_not_defaulted_and_kept_off_command_lines() -> None
         assert not SECRET_FLAGS & set(svc["command"]), name
 
 
+def _compose_required() -> bool:
+    """Under CI (and when asked) a missing docker-compose is a failure, never a skip."""
+    return any(os.environ.get(v, "").lower() in ("1", "true", "yes")
+               for v in ("CI", "KVATLAS_REQUIRE_COMPOSE"))
+
+
 def test_docker_compose_config_validates() -> None:
     tool = shutil.which("docker-compose")
     if tool is None:
-        if os.environ.get("CI") or os.environ.get("KVATLAS_REQUIRE_COMPOSE"):
+        if _compose_required():
             pytest.fail("docker-compose is not installed: .ci/run installs it with apt-get")
         pytest.skip("docker-compose is not installed (CI installs it); the YAML is still "
                     "checked by the other tests")
@@ -131,3 +138,31 @@ def test_every_generated_command_parses_with_the_real_cli() -> None:
         args = ["secret-token-1" if a.startswith("${") else a for a in args]
         parsed = parser.parse_args(args)
         assert callable(parsed.func), name
+
+
+def _without_tools(tmp_path: Path) -> dict[str, str]:
+    """An environment whose PATH has bash and coreutils' ``id`` but no docker-compose or apt-get."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("bash", "id"):
+        found = shutil.which(name)
+        assert found, name
+        (bin_dir / name).symlink_to(found)
+    return {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+
+
+def test_ci_fails_loudly_when_docker_compose_cannot_be_installed(tmp_path: Path) -> None:
+    run = (ROOT / ".ci" / "run").read_text()
+    assert ".ci/install-compose" in run and "warning" not in run
+    out = subprocess.run(["bash", str(ROOT / ".ci" / "install-compose")],
+                         env=_without_tools(tmp_path), capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0, "CI went on without docker-compose"
+    assert "docker-compose" in out.stderr and "error" in out.stderr
+
+
+def test_compose_check_fails_under_ci_without_docker_compose(tmp_path: Path) -> None:
+    env = {**_without_tools(tmp_path), "CI": "true"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          f"{Path(__file__)}::test_docker_compose_config_validates"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert "1 failed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
