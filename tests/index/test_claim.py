@@ -5,28 +5,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import time
 from collections.abc import AsyncIterator
 
 import pytest
 
 from index.claim import ensure_id_free
 from index.errors import InstanceIdInUse
-from index.etcd import EtcdClient
+from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, dumps
 from index.lease import LeaseSession
 
 TTL = 3  # the window looked at is TTL/3 + 1 s
 
 
-async def test_a_free_or_unleased_id_is_taken_at_once(etcd: EtcdClient,
+class LeaseReadingClient(EtcdClient):
+    """A real client that counts lease TTL reads: a claim that watches for a renewal reads the
+    holder's lease twice, one taken at once reads it never."""
+
+    def __init__(self, settings: EtcdSettings) -> None:
+        super().__init__(settings)
+        self.lease_reads = 0
+
+    async def lease_ttls(self, lease_id: int) -> tuple[int, int]:
+        self.lease_reads += 1
+        return await super().lease_ttls(lease_id)
+
+
+@pytest.fixture
+async def reading(etcd_settings: EtcdSettings) -> AsyncIterator[LeaseReadingClient]:
+    async with LeaseReadingClient(etcd_settings) as client:
+        yield client
+
+
+async def test_a_free_or_unleased_id_is_taken_at_once(etcd: EtcdClient, reading: LeaseReadingClient,
                                                       layout: KeyLayout) -> None:
     key = layout.instance("fresh")
-    t0 = time.monotonic()
-    await ensure_id_free(etcd, key, "fresh")
+    await ensure_id_free(reading, key, "fresh")
     await etcd.put(key, dumps({"role": "prefill"}))  # no lease: nobody can be renewing it
-    await ensure_id_free(etcd, key, "fresh")
-    assert time.monotonic() - t0 < 1.0
+    await ensure_id_free(reading, key, "fresh")
+    assert reading.lease_reads == 0, "it waited for a renewal nobody can make"
 
 
 @contextlib.asynccontextmanager
@@ -78,19 +95,22 @@ async def test_a_renewed_lease_whose_holder_does_not_listen_is_taken_over(
 
 
 async def test_an_id_a_crashed_process_left_is_taken_over(etcd: EtcdClient,
+                                                          reading: LeaseReadingClient,
                                                           layout: KeyLayout) -> None:
     key = layout.instance("crashed")
     lease, _ = await etcd.grant(TTL * 4)  # granted, then never renewed: its holder died
     await etcd.put(key, dumps({"role": "prefill", "bootstrap_host": "h", "bootstrap_port": 1}),
                    lease)
-    t0 = time.monotonic()
-    await ensure_id_free(etcd, key, "crashed")
-    # It looked for one renewal period of the holder (its TTL / 3 + 1 s), not for the whole TTL.
-    assert TTL * 4 / 3 <= time.monotonic() - t0 < TTL * 4 - 2
+    await ensure_id_free(reading, key, "crashed")
+    # It looked for a renewal (two readings of the lease) and decided while the dead holder's
+    # lease still runs: one renewal period of the holder, not the whole TTL.
+    assert reading.lease_reads == 2
+    assert await etcd.lease_ttl(lease) > 0, "it waited for the lease to expire"
     await etcd.revoke(lease)
 
 
-async def test_only_a_record_of_the_same_kind_counts(etcd: EtcdClient, layout: KeyLayout) -> None:
+async def test_only_a_record_of_the_same_kind_counts(etcd: EtcdClient, reading: LeaseReadingClient,
+                                                     layout: KeyLayout) -> None:
     """An index agent shares its id with the instance's bootstrap server by design."""
     key = layout.instance("shared")
     server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
@@ -98,9 +118,8 @@ async def test_only_a_record_of_the_same_kind_counts(etcd: EtcdClient, layout: K
     try:
         async with renewed_record(etcd, key, {"role": "prefill", "bootstrap_host": "127.0.0.1",
                                               "bootstrap_port": port}):
-            t0 = time.monotonic()
-            await ensure_id_free(etcd, key, "shared", source="kv-events")  # the agent: fine
-            assert time.monotonic() - t0 < 1.0
+            await ensure_id_free(reading, key, "shared", source="kv-events")  # the agent: fine
+            assert reading.lease_reads == 0, "another kind's lease was watched"
         async with renewed_record(etcd, key, {"role": "prefill", "source": "kv-events"}):
             await ensure_id_free(etcd, key, "shared")  # the server: fine
             with pytest.raises(InstanceIdInUse):  # a second agent: refused

@@ -317,11 +317,9 @@ async def test_lease_expiry_removes_the_instance_from_mirrors(etcd: EtcdClient,
         assert await other.wait_revision(idx.mirror.revision, 10)
         assert idx.lookup(hashes(40)) == {"dies": 40, "lives": 10}
         assert other.lookup(hashes(40), MODEL) == {"dies": 40, "lives": 10}
-        t0 = time.monotonic()
-        await idx.drop("dies", revoke=False)  # keepalives stop: the lease runs out
+        await idx.drop("dies", revoke=False)  # keepalives stop: the lease (2 s) runs out
         await wait_until(lambda: "dies" not in idx.instances() and "dies" not in
-                         other.instances(MODEL), timeout=10, what="lease expiry")
-        assert time.monotonic() - t0 < 8
+                         other.instances(MODEL), timeout=8, what="lease expiry")
         assert idx.lookup(hashes(40)) == {"lives": 10}
         assert other.lookup(hashes(40), MODEL) == {"lives": 10}
     finally:

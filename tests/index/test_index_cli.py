@@ -5,7 +5,6 @@ import asyncio
 import json
 import signal
 import sys
-import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -130,11 +129,10 @@ async def test_query_bad_input_and_missing_prompt_in_a_real_process() -> None:
 
 async def test_etcd_unreachable_is_one_line_and_fast() -> None:
     dead = f"127.0.0.1:{free_port()}"
-    t0 = time.monotonic()
-    (rc, _o, err), (rc2, _o2, err2) = await asyncio.gather(
+    # A deadline on the wait, not a timing: an unreachable etcd must end the command, not hang it.
+    (rc, _o, err), (rc2, _o2, err2) = await asyncio.wait_for(asyncio.gather(
         run_cli("index", "query", "--model", "m", "--tokens", "1,2,3", "--etcd", dead),
-        run_cli("index", "stats", "--etcd", dead))
-    assert time.monotonic() - t0 < 15
+        run_cli("index", "stats", "--etcd", dead)), 15)
     assert dead in one_line_error(rc, err) and "unreachable" in err
     assert dead in one_line_error(rc2, err2)
 

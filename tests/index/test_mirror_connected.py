@@ -46,8 +46,7 @@ async def test_quorum_loss_clears_connected_and_recovery_sets_it(
 
             for member in etcd_cluster3.members[1:]:
                 member.kill()
-            took = await _until(lambda: not mirror.connected, 10, "disconnected after quorum loss")
-            assert took < 10
+            await _until(lambda: not mirror.connected, 10, "disconnected after quorum loss")
             assert mirror.stats()["connected"] is False
             assert mirror.blocks("inst-a") == {0xab}, "the last known index is still served"
 
