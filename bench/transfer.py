@@ -17,6 +17,11 @@ transfer re-faults its frame memory and the ratio drops to ~0.55-0.65. Then p50/
 16-token transfer (one page). After each size the decode pool is hashed and compared with the
 prefill's hash of the pages sent.
 
+Every repeat also moves the same pages through a second sender/receiver pair that shares a
+transfer key (``KVATLAS_TRANSFER_KEY``; generated for the run and passed to the child through its
+environment): every message MAC'd (Poly1305, see ``transfer/auth.py``), so the table shows MAC
+off, MAC on and raw TCP side by side.
+
 Writes bench/results/transfer.json.
 """
 from __future__ import annotations
@@ -25,6 +30,7 @@ import argparse
 import asyncio
 import os
 import platform
+import secrets
 import socket
 import statistics
 import subprocess
@@ -40,6 +46,7 @@ import torch  # noqa: E402
 import xxhash  # noqa: E402
 
 from transfer import KVLayout, TensorPageSource, TransferConfig  # noqa: E402
+from transfer.base import TRANSFER_KEY_ENV  # noqa: E402
 from transfer.backends.zmq_backend import ZmqReceiver, ZmqSender  # noqa: E402
 from transfer.layout import tensor_bytes  # noqa: E402
 from transfer.tuning import tune_host_allocator  # noqa: E402
@@ -65,10 +72,13 @@ async def prefill(pages: int, chunk_bytes: int, tune: bool) -> None:
     pool = torch.empty(LAYOUT.pool_shape(pages), dtype=torch.bfloat16)
     pool.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(7))
     flat = tensor_bytes(pool)
-    sender = ZmqSender(TransferConfig(chunk_bytes=chunk_bytes), LAYOUT, TensorPageSource(pool, LAYOUT))
-    await sender.start()
+    senders = {}
+    for kind, key in (("zmq", None), ("mac", os.environ[TRANSFER_KEY_ENV])):
+        senders[kind] = ZmqSender(TransferConfig(chunk_bytes=chunk_bytes, key=key), LAYOUT,
+                                  TensorPageSource(pool, LAYOUT))
+        await senders[kind].start()
     raw = socket.create_server(("127.0.0.1", 0))
-    print(f"PORTS {sender.port} {raw.getsockname()[1]}", flush=True)
+    print(f"PORTS {senders['zmq'].port} {senders['mac'].port} {raw.getsockname()[1]}", flush=True)
     loop = asyncio.get_running_loop()
     while True:
         line = (await loop.run_in_executor(None, sys.stdin.readline)).split()
@@ -79,8 +89,8 @@ async def prefill(pages: int, chunk_bytes: int, tune: bool) -> None:
             conn, _ = raw.accept()
             with conn:
                 conn.sendall(flat[:int(line[1])])
-        elif line[0] == "zmq":
-            room, n = int(line[1]), int(line[2])
+        elif line[0] in senders:
+            sender, room, n = senders[line[0]], int(line[1]), int(line[2])
             sender.create(room)
             print("ready", flush=True)
             await sender.send(room, list(range(n)), first_token=1, cached_tokens=0)
@@ -88,18 +98,21 @@ async def prefill(pages: int, chunk_bytes: int, tune: bool) -> None:
         elif line[0] == "hash":
             print(pool_hash(pool, int(line[1])), flush=True)
     raw.close()
-    await sender.close()
+    for sender in senders.values():
+        await sender.close()
 
 
 # ---- decode side (this process) -----------------------------------------------------------
 class Child:
-    def __init__(self, pages: int, chunk_bytes: int, tune: bool) -> None:
+    def __init__(self, pages: int, chunk_bytes: int, tune: bool, key: str) -> None:
         self.proc = subprocess.Popen([sys.executable, __file__, "--role", "prefill", "--pages",
                                       str(pages), "--chunk-mib", str(chunk_bytes >> 20),
                                       *([] if tune else ["--no-tune"])],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        _, zport, rport = self.read().split()
-        self.endpoint, self.raw_port = f"tcp://127.0.0.1:{zport}", int(rport)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, TRANSFER_KEY_ENV: key})
+        _, zport, mport, rport = self.read().split()
+        self.endpoints = {"zmq": f"tcp://127.0.0.1:{zport}", "mac": f"tcp://127.0.0.1:{mport}"}
+        self.raw_port = int(rport)
 
     def read(self) -> str:
         line = self.proc.stdout.readline()
@@ -126,11 +139,12 @@ def raw_tcp(child: Child, into: memoryview, nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
-async def zmq_once(child: Child, rx: ZmqReceiver, room: int, pages: int) -> float:
-    child.cmd("zmq", room, pages)
+async def zmq_once(child: Child, rx: ZmqReceiver, room: int, pages: int,
+                   kind: str = "zmq") -> float:
+    child.cmd(kind, room, pages)
     assert child.read() == "ready"
     t0 = time.perf_counter()
-    await rx.receive(room, [child.endpoint], list(range(pages)))
+    await rx.receive(room, [child.endpoints[kind]], list(range(pages)))
     dt = time.perf_counter() - t0
     assert child.read() == "sent"
     return dt
@@ -148,48 +162,65 @@ async def decode(args: argparse.Namespace) -> dict[str, Any]:
     max_pages = max(sizes) // LAYOUT.page_size
     chunk_bytes = args.chunk_mib << 20
     tuned = not args.no_tune and tune_host_allocator()
-    child = Child(max_pages, chunk_bytes, tuned)
+    key = secrets.token_hex(32)
+    child = Child(max_pages, chunk_bytes, tuned, key)
     dst = torch.zeros(LAYOUT.pool_shape(max_pages), dtype=torch.bfloat16)
     dst_bytes = tensor_bytes(dst)
-    rx = ZmqReceiver(TransferConfig(chunk_bytes=chunk_bytes), LAYOUT, dst)
+    rxs = {kind: ZmqReceiver(TransferConfig(chunk_bytes=chunk_bytes, key=k), LAYOUT, dst)
+           for kind, k in (("zmq", None), ("mac", key))}
     room = 1
     rows = []
     try:
-        await zmq_once(child, rx, room, 1)  # connect + register + warm up
-        room += 1
+        for kind, rx in rxs.items():  # connect + register + warm up
+            await zmq_once(child, rx, room, 1, kind)
+            room += 1
         for tokens in sizes:
             pages, nbytes = tokens // LAYOUT.page_size, tokens * TOKEN_BYTES
-            raw_s, zmq_s = [], []
-            await zmq_once(child, rx, room, pages)  # untimed: grows the heaps to this size once
-            room += 1
+            raw_s: list[float] = []
+            times: dict[str, list[float]] = {kind: [] for kind in rxs}
+            ok = True
+            for kind, rx in rxs.items():  # untimed: grows the heaps to this size once
+                await zmq_once(child, rx, room, pages, kind)
+                room += 1
             for _ in range(args.repeats):
                 raw_s.append(raw_tcp(child, dst_bytes, nbytes))
-                dst.zero_()
-                zmq_s.append(await zmq_once(child, rx, room, pages))
-                room += 1
-            child.cmd("hash", pages)
-            ok = child.read() == pool_hash(dst, pages)
-            raw_med, zmq_med = statistics.median(raw_s), statistics.median(zmq_s)
+                for kind, rx in rxs.items():
+                    dst.zero_()
+                    times[kind].append(await zmq_once(child, rx, room, pages, kind))
+                    room += 1
+                    child.cmd("hash", pages)
+                    ok = ok and child.read() == pool_hash(dst, pages)
+            raw_med = statistics.median(raw_s)
+            zmq_med, mac_med = (statistics.median(times[k]) for k in ("zmq", "mac"))
             rows.append({"tokens": tokens, "bytes": nbytes, "repeats": args.repeats,
                          "zmq_ms": zmq_med * 1e3, "zmq_gbps": nbytes / zmq_med / 1e9,
-                         "zmq_best_ms": min(zmq_s) * 1e3,
+                         "zmq_best_ms": min(times["zmq"]) * 1e3,
+                         "mac_ms": mac_med * 1e3, "mac_gbps": nbytes / mac_med / 1e9,
                          "raw_tcp_ms": raw_med * 1e3, "raw_tcp_gbps": nbytes / raw_med / 1e9,
-                         "ratio": raw_med / zmq_med, "verified": ok,
-                         "zmq_all_ms": [round(x * 1e3, 2) for x in zmq_s],
+                         "ratio": raw_med / zmq_med, "mac_ratio": raw_med / mac_med,
+                         "mac_vs_off": zmq_med / mac_med, "verified": ok,
+                         "zmq_all_ms": [round(x * 1e3, 2) for x in times["zmq"]],
+                         "mac_all_ms": [round(x * 1e3, 2) for x in times["mac"]],
                          "raw_tcp_all_ms": [round(x * 1e3, 2) for x in raw_s]})
-        lat, lat_raw = [], []
+        lat: dict[str, list[float]] = {kind: [] for kind in rxs}
+        lat_raw = []
         small_bytes = LAYOUT.page_size * TOKEN_BYTES
         for _ in range(args.latency_iters):
-            lat.append(await zmq_once(child, rx, room, 1))
-            room += 1
+            for kind, rx in rxs.items():
+                lat[kind].append(await zmq_once(child, rx, room, 1, kind))
+                room += 1
             lat_raw.append(raw_tcp(child, dst_bytes, small_bytes))
         latency = {"tokens": LAYOUT.page_size, "bytes": small_bytes, "iters": args.latency_iters,
-                   "zmq_p50_ms": pct(lat, 0.5) * 1e3, "zmq_p99_ms": pct(lat, 0.99) * 1e3,
+                   "zmq_p50_ms": pct(lat["zmq"], 0.5) * 1e3,
+                   "zmq_p99_ms": pct(lat["zmq"], 0.99) * 1e3,
+                   "mac_p50_ms": pct(lat["mac"], 0.5) * 1e3,
+                   "mac_p99_ms": pct(lat["mac"], 0.99) * 1e3,
                    "raw_tcp_p50_ms": pct(lat_raw, 0.5) * 1e3}
     finally:
         child.cmd("quit")
         child.proc.wait(30)
-        await rx.close()
+        for rx in rxs.values():
+            await rx.close()
     return {"geometry": {**GEOMETRY, "token_bytes": TOKEN_BYTES}, "chunk_bytes": chunk_bytes,
             "allocator_tuned": tuned,
             "sizes": rows, "latency": latency, "quick": args.quick,
@@ -202,15 +233,16 @@ def show(result: dict[str, Any]) -> None:
     print(f"\nKV transfer, two processes, loopback (bf16, {result['geometry']['token_bytes'] >> 10} "
           f"KiB/token, chunks of {result['chunk_bytes'] >> 20} MiB, allocator tuned: "
           f"{result['allocator_tuned']}; GB = 1e9 bytes; medians)")
-    print(f"{'tokens':>7} {'MiB':>7} {'zmq ms':>9} {'zmq GB/s':>9} {'tcp ms':>9} {'tcp GB/s':>9} "
-          f"{'ratio':>6} {'verified':>8}")
+    print(f"{'tokens':>7} {'MiB':>5} {'MAC off GB/s':>12} {'MAC on GB/s':>11} {'tcp GB/s':>9} "
+          f"{'off/tcp':>7} {'on/tcp':>6} {'on/off':>6} {'verified':>8}")
     for r in result["sizes"]:
-        print(f"{r['tokens']:>7} {r['bytes'] / 2**20:>7.0f} {r['zmq_ms']:>9.1f} {r['zmq_gbps']:>9.2f} "
-              f"{r['raw_tcp_ms']:>9.1f} {r['raw_tcp_gbps']:>9.2f} {r['ratio']:>6.2f} "
-              f"{str(r['verified']):>8}")
+        print(f"{r['tokens']:>7} {r['bytes'] / 2**20:>5.0f} {r['zmq_gbps']:>12.2f} "
+              f"{r['mac_gbps']:>11.2f} {r['raw_tcp_gbps']:>9.2f} {r['ratio']:>7.2f} "
+              f"{r['mac_ratio']:>6.2f} {r['mac_vs_off']:>6.2f} {str(r['verified']):>8}")
     lat = result["latency"]
-    print(f"\n{lat['tokens']}-token transfer ({lat['bytes'] >> 10} KiB), {lat['iters']} runs: zmq p50 "
-          f"{lat['zmq_p50_ms']:.2f} ms, p99 {lat['zmq_p99_ms']:.2f} ms; raw TCP p50 "
+    print(f"\n{lat['tokens']}-token transfer ({lat['bytes'] >> 10} KiB), {lat['iters']} runs: p50 "
+          f"MAC off {lat['zmq_p50_ms']:.2f} ms, MAC on {lat['mac_p50_ms']:.2f} ms (p99 "
+          f"{lat['zmq_p99_ms']:.2f} / {lat['mac_p99_ms']:.2f}); raw TCP p50 "
           f"{lat['raw_tcp_p50_ms']:.2f} ms (ratio goal >= 0.8 applies to the throughput rows)")
 
 
