@@ -97,7 +97,7 @@ class RouterApp:
         return answer
 
     async def handle_metrics_port(self, request: Request) -> Response | Stream:
-        if request.path == "/metrics" and request.method == "GET":
+        if request.path == "/metrics" and request.method in ("GET", "HEAD"):
             return await self._metrics(request)
         return json_error(404, f"only GET /metrics is served here, not {request.method} "
                                f"{request.path!r}")

@@ -267,6 +267,8 @@ async def test_metrics_on_a_separate_port_as_sglang_router_serves_them(
             text = await r.text()
             assert r.status == 200
         assert 'kvatlas_router_requests_total{route="/generate",status="200"} 1.0' in text
+        async with s.head(f"http://127.0.0.1:{port}/metrics") as r:
+            assert r.status == 200 and await r.read() == b""
         # Only the metrics: the router's API stays on its own port.
         async with s.post(f"http://127.0.0.1:{port}/generate", json={"text": "x"}) as r:
             assert r.status == 404 and "only GET /metrics" in (await r.json())["error"]
