@@ -61,7 +61,7 @@ async def _proxy(svc: Services, request: Request, kind: str,
     rid = given or new_request_id()
     try:
         parsed = await parse_body(kind, request.body, state.config.max_tokens,
-                                  state.pools.prompt_limits, state.config.block_size)
+                                  state.pools.limits, state.config.block_size)
         crid = client_rid(parsed.body, parsed.batch)
         state.check_model(parsed.model)
     except BadRequest as exc:
@@ -103,7 +103,7 @@ async def debug_route(svc: Services, request: Request) -> Response:
     state = svc.state
     try:
         parsed = await parse_body(ANY, request.body, state.config.max_tokens,
-                                  state.pools.prompt_limits, state.config.block_size)
+                                  state.pools.limits, state.config.block_size)
         state.check_model(parsed.model)
     except BadRequest as exc:
         return json_error(exc.status, str(exc))

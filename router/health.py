@@ -1,7 +1,7 @@
 """Periodic health checks: ``GET {url}/health`` per worker, with thresholds both ways.
 
-A worker that passes is also asked its ``/server_info`` once, for the longest prompt it takes
-(router/limits.py)."""
+A worker that passes is also asked its ``/server_info`` once, for the longest prompt and the
+largest body it takes (router/limits.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,7 @@ import logging
 
 from router.config import RouterConfig
 from router.http.client import UpstreamError
-from router.limits import prompt_limit_of
+from router.limits import Stated, stated_limits
 from router.upstreams import Upstreams
 from router.workers import Worker, WorkerPools
 
@@ -64,7 +64,7 @@ class HealthChecker:
         return ok
 
     async def ask_info(self, worker: Worker) -> None:
-        """Learn ``worker``'s prompt limit from its /server_info; asked again next round when
+        """Learn ``worker``'s limits from its /server_info; asked again next round when
         it did not answer, never again when it answered without one (not every engine does)."""
         try:
             resp = await asyncio.wait_for(self.upstreams.of(worker).request(
@@ -79,9 +79,9 @@ class HealthChecker:
             info = json.loads(body) if resp.status == 200 else None
         except (ValueError, UnicodeDecodeError, RecursionError):
             info = None
-        limit = prompt_limit_of(info, worker.instance_id)
-        if limit is not None and worker.prompt_limit is None:
-            # An etcd record's statement stays first: it names this very process.
-            logger.info("%s worker %s takes prompts of up to %d tokens", worker.role,
-                        worker.instance_id, limit.tokens)
-            self.pools.learned(worker, limit)
+        stated, known = stated_limits(info, worker.instance_id), worker.limits
+        # An etcd record's statement stays first: it names this very process.
+        limits = Stated(known.prompt or stated.prompt, known.body or stated.body)
+        if limits != known:
+            logger.info("%s worker %s takes %s", worker.role, worker.instance_id, limits)
+            self.pools.learned(worker, limits)

@@ -1,10 +1,13 @@
-"""Prompt-token limits, so that an over-long prompt is refused at the router (400 naming the
-limit) before it is tokenized, hashed and sent to a worker that would refuse it anyway.
+"""The workers' limits, so that the router refuses what they would refuse (an over-long prompt:
+400 naming the limit, before it is tokenized or hashed; an over-large body: 413) instead of
+sending it on.
 
-A model's limit is the smallest of ``--max-prompt-tokens`` and what its workers take. A worker
-says so in its etcd instance record or its ``/server_info`` (asked once per worker by the health
-checks): ``max_prompt_tokens`` when given, else ``context_length - 1`` (SGLang and the reference
-engine refuse a prompt of ``context_length`` tokens: one position is left to generate into).
+A model's prompt limit is the smallest of ``--max-prompt-tokens`` and what its workers take;
+the body limit, the smallest any worker takes (``--max-payload-size`` bounds it anyway). A
+worker states them in its etcd instance record or its ``/server_info`` (asked once per worker by
+the health checks): ``max_prompt_tokens``, else ``context_length - 1`` (SGLang and the
+reference engine refuse a prompt of ``context_length`` tokens: one position is left to generate
+into), and ``max_body_bytes``.
 """
 from __future__ import annotations
 
@@ -19,54 +22,74 @@ FLAG = "router --max-prompt-tokens"
 
 
 @dataclass(frozen=True)
-class PromptLimit:
-    """The most prompt tokens a request may carry, and where that number comes from."""
+class Limit:
+    """A bound (prompt tokens or body bytes), and where that number comes from."""
 
-    tokens: int
+    value: int
     source: str
 
-    def reason(self, tokens: str | int) -> str:
-        return f"prompt has {tokens} tokens; at most {self.tokens} are taken ({self.source})"
+    def prompt_reason(self, tokens: str | int) -> str:
+        return f"prompt has {tokens} tokens; at most {self.value} are taken ({self.source})"
 
 
-def prompt_limit_of(info: Any, instance_id: str) -> PromptLimit | None:
-    """The limit a worker states in ``info`` (its /server_info or etcd record), if any."""
+@dataclass(frozen=True)
+class Stated:
+    """What one worker says it takes."""
+
+    prompt: Limit | None = None
+    body: Limit | None = None
+
+
+def stated_limits(info: Any, instance_id: str) -> Stated:
+    """The limits a worker states in ``info`` (its /server_info or etcd record)."""
     if not isinstance(info, dict):
-        return None
+        return Stated()
+    prompt = body = None
     n = info.get("max_prompt_tokens")
+    c = info.get("context_length")
     if n.__class__ is int and n >= 1:
-        return PromptLimit(n, f"max_prompt_tokens of worker {instance_id}")
-    n = info.get("context_length")
-    if n.__class__ is int and n >= 2:
-        return PromptLimit(n - 1, f"context_length {n} of worker {instance_id}, less the "
-                                  "position to generate into")
-    return None
+        prompt = Limit(n, f"max_prompt_tokens of worker {instance_id}")
+    elif c.__class__ is int and c >= 2:
+        prompt = Limit(c - 1, f"context_length {c} of worker {instance_id}, less the position "
+                              "to generate into")
+    b = info.get("max_body_bytes")
+    if b.__class__ is int and b >= 1:
+        body = Limit(b, f"max_body_bytes of worker {instance_id}")
+    return Stated(prompt, body)
 
 
-class PromptLimits:
-    """Per model, the smallest limit among its workers and the flag.
+def _smallest(limits: list[Limit]) -> Limit | None:
+    return min(limits, key=lambda lim: lim.value) if limits else None
 
-    Read by parser threads (large bodies are parsed off the event loop): ``of`` reads one dict
-    that ``rebuild`` replaces whole, never changes in place."""
 
-    def __init__(self, flag: int | None) -> None:
-        self.flag = PromptLimit(flag, FLAG) if flag is not None else None
-        self._by_model: dict[str | None, PromptLimit] = {}
+class WorkerLimits:
+    """Per model, the smallest prompt limit among its workers and the flag; the smallest body
+    limit of all.
 
-    def of(self, model: str | None) -> PromptLimit | None:
-        """The limit for a request naming ``model`` (None: whichever worker serves it)."""
-        by_model = self._by_model
+    Read by parser threads (large bodies are parsed off the event loop): ``prompt`` reads one
+    dict that ``rebuild`` replaces whole, never changes in place."""
+
+    def __init__(self, max_prompt_tokens: int | None) -> None:
+        self.flag = Limit(max_prompt_tokens, FLAG) if max_prompt_tokens is not None else None
+        self._prompt: dict[str | None, Limit] = {}
+        self.body: Limit | None = None
+        """The smallest body limit a worker states (None: none does)."""
+
+    def prompt(self, model: str | None) -> Limit | None:
+        """The prompt limit for a request naming ``model`` (None: whichever worker serves)."""
+        by_model = self._prompt
         return by_model[model] if model in by_model else by_model.get(None, self.flag)
 
     def rebuild(self, workers: Iterable[Worker]) -> None:
-        learned = [(w.model, w.prompt_limit) for w in workers if w.prompt_limit is not None]
-        by_model: dict[str | None, PromptLimit] = {}
+        stated = [(w.model, w.limits) for w in workers]
+        prompts = [(m, s.prompt) for m, s in stated if s.prompt is not None]
+        by_model: dict[str | None, Limit] = {}
         # None: a request naming no model may land on any worker; a worker of no stated
         # model may serve any model.
-        for model in {None, *(m for m, _ in learned if m is not None)}:
-            found = [lim for m, lim in learned if model is None or m in (model, None)]
-            if self.flag is not None:
-                found.append(self.flag)
-            if found:
-                by_model[model] = min(found, key=lambda lim: lim.tokens)
-        self._by_model = by_model
+        for model in {None, *(m for m, _ in prompts if m is not None)}:
+            found = [lim for m, lim in prompts if model is None or m in (model, None)]
+            smallest = _smallest(found + ([self.flag] if self.flag is not None else []))
+            if smallest is not None:
+                by_model[model] = smallest
+        self._prompt = by_model
+        self.body = _smallest([s.body for _, s in stated if s.body is not None])

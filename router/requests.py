@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from router.limits import PromptLimit, PromptLimits
+from router.limits import Limit, WorkerLimits
 from router.policy import prompt_hashes
 from router.rooms import new_room
 from router.tokenize import chat_text, encode_text
@@ -132,11 +132,11 @@ def _check_depth(body: Any) -> None:
     raise BadRequest("body", f"JSON nested deeper than {MAX_DEPTH} levels")
 
 
-def _ids(value: Any, field: str, limit: PromptLimit | None = None) -> list[int]:
+def _ids(value: Any, field: str, limit: Limit | None = None) -> list[int]:
     if not isinstance(value, list) or not value:
         raise BadRequest(field, "must be a non-empty list of token ids")
-    if limit is not None and len(value) > limit.tokens:
-        raise BadRequest(field, limit.reason(len(value)))
+    if limit is not None and len(value) > limit.value:
+        raise BadRequest(field, limit.prompt_reason(len(value)))
     for i, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int):
             raise BadRequest(f"{field}[{i}]", f"must be an integer, got {type(t).__name__}")
@@ -145,21 +145,21 @@ def _ids(value: Any, field: str, limit: PromptLimit | None = None) -> list[int]:
     return value
 
 
-def _text(value: Any, field: str, limit: PromptLimit | None = None) -> np.ndarray:
+def _text(value: Any, field: str, limit: Limit | None = None) -> np.ndarray:
     if not isinstance(value, str):
         raise BadRequest(field, f"must be a string, got {type(value).__name__}")
     if not value:
         raise BadRequest(field, "must not be empty")
-    if limit is not None and len(value) >= limit.tokens:
+    if limit is not None and len(value) >= limit.value:
         # A character is at least one UTF-8 byte, so one token, and BOS comes first: refused
         # from its length alone, before any encoding.
-        raise BadRequest(field, limit.reason(f"at least {len(value) + 1}"))
+        raise BadRequest(field, limit.prompt_reason(f"at least {len(value) + 1}"))
     try:
         ids = encode_text(value)
     except UnicodeEncodeError:
         raise BadRequest(field, "is not valid UTF-8 (contains a lone surrogate)") from None
-    if limit is not None and len(ids) > limit.tokens:
-        raise BadRequest(field, limit.reason(len(ids)))
+    if limit is not None and len(ids) > limit.value:
+        raise BadRequest(field, limit.prompt_reason(len(ids)))
     return ids
 
 
@@ -194,7 +194,7 @@ def _model(d: dict[str, Any]) -> str | None:
 
 
 def parse_generate(body: dict[str, Any], max_tokens: int,
-                   limit: PromptLimit | None = None) -> Parsed:
+                   limit: Limit | None = None) -> Parsed:
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise BadRequest("text", "give exactly one of text or input_ids (the prompt is missing)"
@@ -236,7 +236,7 @@ def parse_generate(body: dict[str, Any], max_tokens: int,
 
 
 def parse_completion(body: dict[str, Any], max_tokens: int,
-                     limit: PromptLimit | None = None) -> Parsed:
+                     limit: Limit | None = None) -> Parsed:
     prompt = body.get("prompt")
     if prompt is None:
         raise BadRequest("prompt", "is missing")
@@ -257,7 +257,7 @@ def parse_completion(body: dict[str, Any], max_tokens: int,
 
 
 def parse_chat(body: dict[str, Any], max_tokens: int,
-               limit: PromptLimit | None = None) -> Parsed:
+               limit: Limit | None = None) -> Parsed:
     messages = body.get("messages")
     if messages is None:
         raise BadRequest("messages", "is missing")
@@ -289,7 +289,7 @@ def _one_sample(n: Any, field: str) -> None:
 
 
 def _parse_any(body: dict[str, Any], max_tokens: int,
-               limit: PromptLimit | None = None) -> Parsed:
+               limit: Limit | None = None) -> Parsed:
     """For /debug/route: whichever prompt field the body carries."""
     if "messages" in body:
         return parse_chat(body, max_tokens, limit)
@@ -311,14 +311,17 @@ bodies take well under a millisecond: a thread hop would only add to their laten
 _parse_pool: ThreadPoolExecutor | None = None
 
 
-def parse_request(kind: str, raw: bytes, max_tokens: int, limits: PromptLimits | None = None,
+def parse_request(kind: str, raw: bytes, max_tokens: int, limits: WorkerLimits | None = None,
                   block_size: int | None = None) -> Parsed:
     """``raw`` checked as a ``kind`` request (``ANY``: whichever fields it has), with its
     prompt limit: that of the model it names. With ``block_size``, the first prompt's block
     hashes are computed too."""
+    if limits is not None and limits.body is not None and len(raw) > limits.body.value:
+        raise BadRequest("body", f"has {len(raw)} bytes; at most {limits.body.value} are taken "
+                                 f"({limits.body.source})", 413)
     body = load_json(raw)
     model = body.get("model")
-    limit = limits.of(model if model.__class__ is str else None) if limits else None
+    limit = limits.prompt(model if model.__class__ is str else None) if limits else None
     parsed = PARSERS[kind](body, max_tokens, limit)
     parsed.raw = raw
     if block_size is not None:
@@ -326,7 +329,7 @@ def parse_request(kind: str, raw: bytes, max_tokens: int, limits: PromptLimits |
     return parsed
 
 
-async def parse_body(kind: str, raw: bytes, max_tokens: int, limits: PromptLimits | None,
+async def parse_body(kind: str, raw: bytes, max_tokens: int, limits: WorkerLimits | None,
                      block_size: int) -> Parsed:
     """``parse_request``; in a thread for a body over OFF_LOOP_BYTES, where the prompt's
     block hashes are computed as well."""

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from router.breaker import CircuitBreaker
 from router.config import RouterConfig, check_url, parse_bootstrap_port
-from router.limits import PromptLimit, PromptLimits, prompt_limit_of
+from router.limits import Stated, WorkerLimits, stated_limits
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ class Worker:
     shadowed_by: str | None = None
     """A static/admin worker whose URL an etcd instance also registered: the etcd entry (whose
     id matches the block index) serves instead, so the worker is not counted twice."""
-    prompt_limit: PromptLimit | None = None
-    """The longest prompt it takes, once known (its record or /server_info)."""
+    limits: Stated = Stated()
+    """The longest prompt and largest body it takes, once known (its record or /server_info)."""
     info_asked: bool = False
     """Its /server_info was read (or is not served): the health checks ask only once."""
 
@@ -82,7 +82,8 @@ class Worker:
                 "healthy": self.healthy, "circuit": self.breaker.state, "load": self.load,
                 "requests": self.requests, "bootstrap_host": self.bootstrap_host,
                 "bootstrap_port": self.bootstrap_port, "shadowed_by": self.shadowed_by,
-                "max_prompt_tokens": self.prompt_limit.tokens if self.prompt_limit else None}
+                "max_prompt_tokens": self.limits.prompt.value if self.limits.prompt else None,
+                "max_body_bytes": self.limits.body.value if self.limits.body else None}
 
 
 def parse_instance_record(instance_id: str, raw: bytes) -> dict[str, Any] | None:
@@ -127,7 +128,7 @@ class WorkerPools:
         """models() as of the last change to the pools (it is asked on every request)."""
         self.listeners: list[Any] = []
         """Callables ``(event, worker)`` told of "join", "leave" and "moved" (a new URL)."""
-        self.prompt_limits = PromptLimits(config.max_prompt_tokens)
+        self.limits = WorkerLimits(config.max_prompt_tokens)
 
     def new_breaker(self) -> CircuitBreaker:
         c = self.config
@@ -169,11 +170,11 @@ class WorkerPools:
             worker.record = record or {}
             if moved:
                 logger.info("%s worker %s moved to %s", role, iid, url)
-                worker.prompt_limit, worker.info_asked = None, False  # maybe another server
+                worker.limits, worker.info_asked = Stated(), False  # maybe another server
                 self._tell("moved", worker)
-        stated = prompt_limit_of(record, iid)
-        if stated is not None or worker.prompt_limit is None:
-            self.learned(worker, stated)
+        # What the record states wins over what /server_info told: it names this process.
+        stated, known = stated_limits(record, iid), worker.limits
+        self.learned(worker, Stated(stated.prompt or known.prompt, stated.body or known.body))
         if source == "etcd":
             for other in self.workers[role].values():
                 if other.source != "etcd" and other.url == url:
@@ -188,7 +189,7 @@ class WorkerPools:
                 if other.shadowed_by == instance_id:
                     other.shadowed_by = None
             logger.info("%s worker %s left", role, instance_id)
-            self.prompt_limits.rebuild(self.all())
+            self.limits.rebuild(self.all())
             self._tell("leave", worker)
         return worker
 
@@ -201,10 +202,10 @@ class WorkerPools:
                     gone.append(self.remove(role, iid))
         return [w for w in gone if w is not None]
 
-    def learned(self, worker: Worker, limit: PromptLimit | None) -> None:
-        """``worker`` takes prompts up to ``limit`` (None: unknown)."""
-        worker.prompt_limit = limit
-        self.prompt_limits.rebuild(self.all())
+    def learned(self, worker: Worker, limits: Stated) -> None:
+        """``worker`` takes what ``limits`` says."""
+        worker.limits = limits
+        self.limits.rebuild(self.all())
 
     def all(self) -> list[Worker]:
         return self.pool(PREFILL) + self.pool(DECODE)

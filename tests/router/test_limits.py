@@ -78,6 +78,15 @@ async def test_limit_learned_from_server_info(stubs: Any, make_router: Any) -> N
     assert "context_length 32 of worker" in error, error
     assert not p.bodies and not d.bodies
     assert (await client.post("/generate", json={"text": "a" * 30})).status == 200
+    # A body larger than a worker takes: 413 at the router.
+    d.server_info["max_body_bytes"] = 2000
+    client = await make_router([p], [d])
+    await wait_for(learned)
+    resp = await client.post("/generate", json={"text": "a", "x": "b" * 2000})
+    assert resp.status == 413
+    error = (await resp.json())["error"]
+    assert "at most 2000 are taken (max_body_bytes of worker" in error, error
+    assert (await client.post("/generate", json={"text": "a", "x": "b" * 1900})).status == 200
     # A flag below what the workers take wins.
     client = await make_router([p], [d], max_prompt_tokens=10)
     await wait_for(learned)
