@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from bootstrap.http_limits import READ_TIMEOUT_S, check_read_timeout
 from index.etcd import EtcdSettings
 from index.keys import KeyLayout, validate_instance_id, validate_model
 
@@ -46,6 +47,9 @@ class BootstrapConfig:
     """Most room entries kept; past it the oldest are evicted so a flood cannot exhaust memory."""
     max_body_bytes: int = 64 * 1024
     """Largest request body accepted; larger ones get 413."""
+    read_timeout_s: float = READ_TIMEOUT_S
+    """Seconds a client may take to send a request head, and then its body: a slower one
+    (slowloris) is cut off, as on the engine's port (``bootstrap.http_limits``)."""
     instance_fields: dict[str, Any] = field(default_factory=dict)
     """Extra fields for the etcd instance record (e.g. ``url``); they cannot override core fields."""
 
@@ -64,6 +68,7 @@ class BootstrapConfig:
             raise ValueError(f"dp room bound must be at least 1, got {self.dp_room_max_entries}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max body size must be at least 1024 bytes, got {self.max_body_bytes}")
+        check_read_timeout(self.read_timeout_s)
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("auth token must not be empty; omit --auth-token to turn auth off")
         KeyLayout(prefix=self.etcd_prefix)  # validates the prefix
@@ -103,6 +108,9 @@ class BootstrapConfig:
                             help="most room -> dp rank entries kept (default 200000)")
         parser.add_argument("--no-mirror", action="store_true",
                             help="serve from memory only, without the etcd mirror")
+        parser.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S,
+                            help="seconds a client may take to send a request head, and then "
+                                 f"its body (default {READ_TIMEOUT_S:g})")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace,
@@ -120,4 +128,5 @@ class BootstrapConfig:
             lease_ttl=args.lease_ttl,
             dp_room_ttl=args.dp_room_ttl,
             dp_room_max_entries=args.dp_room_max_entries,
+            read_timeout_s=getattr(args, "read_timeout", READ_TIMEOUT_S),
         )

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from bootstrap.config import BootstrapConfig
 from bootstrap.dp_rooms import DpRoomMap
+from bootstrap.http_limits import body_deadline, bound_reads
 from bootstrap.metrics import BootstrapMetrics
 from bootstrap.mirror import RankMirror
 from bootstrap.table import RankTable, RegistrationError, parse_registration
@@ -73,11 +74,12 @@ async def read_json(request: web.Request, limit: int) -> Any:
         raise BadRequest(too_big, 413)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(too_big, 413)
-        chunks.append(chunk)
+    async with body_deadline(request):
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(too_big, 413)
+            chunks.append(chunk)
     raw = b"".join(chunks)
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
@@ -131,8 +133,8 @@ async def _guard(request: web.Request,
     except BadRequest as exc:
         return _error(exc.status, str(exc))
     except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise  # a redirect, or an answer that already says why (a 408 of body_deadline)
         return _error(exc.status, f"{exc.reason}: {request.method} {request.path}")
     except asyncio.CancelledError:
         raise
@@ -305,7 +307,8 @@ async def _sweeper_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_app(config: BootstrapConfig) -> web.Application:
-    """The bootstrap server for one prefill instance. Run it with aiohttp's web runner."""
+    """The bootstrap server for one prefill instance. Run it with ``http_limits.make_runner``
+    (a plain ``web.AppRunner`` would let a slow client hold a connection for an hour)."""
     table = RankTable()
     state = BootstrapState(
         config=config, table=table,
@@ -327,6 +330,7 @@ def create_app(config: BootstrapConfig) -> web.Application:
     app = web.Application(middlewares=[_guard],
                           client_max_size=config.max_body_bytes + 1)
     app[STATE] = state
+    bound_reads(app, config.read_timeout_s)  # serve it with http_limits.make_runner
     app.router.add_put("/route", route_put)
     app.router.add_get("/route", route_get)
     app.router.add_post("/register_dp_rank", register_dp_rank)

@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from bootstrap.http_limits import body_deadline
 from engine.config import ModelConfig
 from engine.errors import BadRequest, CapacityError, DuplicateRequest, EngineError
 from engine.protocol import GenInput, load_json
@@ -80,7 +81,8 @@ async def error_middleware(request: web.Request,
 
 async def read_body(request: web.Request) -> dict[str, Any]:
     try:
-        raw = await request.read()
+        async with body_deadline(request):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         limit = request.client_max_size
         raise web.HTTPRequestEntityTooLarge(

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from bootstrap.http_limits import READ_TIMEOUT_S, check_read_timeout
 from engine.config import MODELS, ModelConfig, get_model_config
 from index.events.endpoints import parse_tcp
 
@@ -59,6 +60,9 @@ class EngineServerConfig:
     max_request_bytes: int = 8 << 20
     """Largest HTTP request body accepted (413 beyond). A few MiB covers any prompt the models'
     positions allow; a bigger limit only lets one client make the server buffer and parse more."""
+    read_timeout_s: float = READ_TIMEOUT_S
+    """Seconds a client may take to send a request head, and then its body (408 beyond): a
+    slower one (slowloris) is cut off. Also the prefill's bootstrap server's bound."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -84,6 +88,7 @@ class EngineServerConfig:
         for ep in (self.kv_events, self.kv_events_replay):
             if ep is not None:
                 parse_tcp(ep)
+        check_read_timeout(self.read_timeout_s)
 
     @property
     def model_config(self) -> ModelConfig:
@@ -131,6 +136,9 @@ class EngineServerConfig:
                             help="largest HTTP request body accepted (413 beyond)")
         parser.add_argument("--kv-events-topic", default=d.kv_events_topic,
                             help="KV-event topic frame")
+        parser.add_argument("--read-timeout", type=float, default=d.read_timeout_s,
+                            help="seconds a client may take to send a request head, and then "
+                                 f"its body (default {d.read_timeout_s:g})")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineServerConfig:
@@ -141,4 +149,5 @@ class EngineServerConfig:
                    max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                    enable_prefix_cache=not args.disable_prefix_cache, kv_events=args.kv_events,
                    kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,
-                   max_request_bytes=args.max_request_bytes)
+                   max_request_bytes=args.max_request_bytes,
+                   read_timeout_s=args.read_timeout)

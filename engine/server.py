@@ -22,6 +22,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from bootstrap.http_limits import bound_reads, runner_options
 from engine import openai_api
 from engine.config import ModelConfig
 from engine.errors import BadRequest
@@ -112,6 +113,9 @@ def server_info(st: EngineState) -> dict[str, Any]:
         "served_model_name": cfg.model_name, "host": cfg.host, "port": cfg.port,
         "tp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": cfg.page_size,
         "context_length": m.max_positions,
+        # the limits a router must not exceed when it forwards (a longer prompt or a bigger
+        # body is refused here: 400 and 413)
+        "max_prompt_tokens": m.max_prompt_tokens, "max_body_bytes": cfg.max_request_bytes,
         "max_total_num_tokens": sched.pool.num_pages * cfg.page_size,
         "max_running_requests": cfg.max_running, "chunked_prefill_size": cfg.max_batch_tokens,
         "disable_radix_cache": not cfg.enable_prefix_cache,
@@ -143,6 +147,8 @@ async def get_model_info(request: web.Request) -> web.Response:
         "served_model_name": st.config.model_name, "preferred_sampling_params": None,
         "weight_version": f"seed-{st.model.seed}", "has_image_understanding": False,
         "has_audio_understanding": False, "max_context_length": st.model.max_positions,
+        "max_prompt_tokens": st.model.max_prompt_tokens,
+        "max_body_bytes": st.config.max_request_bytes,
     })
 
 
@@ -223,6 +229,7 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
 def create_app(config: EngineServerConfig) -> web.Application:
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=config.max_request_bytes)
+    bound_reads(app, config.read_timeout_s)
     app[CONFIG_KEY] = config
     app.cleanup_ctx.append(engine_ctx)
     r = app.router
@@ -247,5 +254,6 @@ def create_app(config: EngineServerConfig) -> web.Application:
 def run(config: EngineServerConfig) -> None:
     """Serve until interrupted (blocking; used by the CLI)."""
     # a client that hangs up cancels its handler, which aborts its engine requests
-    web.run_app(create_app(config), host=config.host, port=config.port, print=None,
-                access_log=None, handler_cancellation=True)
+    app = create_app(config)
+    web.run_app(app, host=config.host, port=config.port, print=None, access_log=None,
+                handler_cancellation=True, **runner_options(app))

@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from bootstrap.http_limits import bound_reads
 from engine import server as mono
 from engine.errors import BadRequest
 from engine.http_common import error_middleware
@@ -103,6 +104,7 @@ def worker_app(cfg: PDConfig, ctx: Callable[[web.Application], AsyncIterator[Non
     around the worker's own ``/generate`` and lifecycle ``ctx``; callers add their extra routes."""
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=cfg.engine.max_request_bytes)
+    bound_reads(app, cfg.engine.read_timeout_s)
     app.cleanup_ctx.append(ctx)
     r = app.router
     r.add_post("/generate", generate)

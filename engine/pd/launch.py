@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from bootstrap.client import BootstrapClient, BootstrapClientConfig
+from bootstrap.http_limits import runner_options
 from engine.pd.common import Bootstrap, build_rank
 from engine.pd.config import PDConfig
 from engine.pd.dist import Dist, RankInfo, die_with_parent, local_world_ranks
@@ -125,7 +126,7 @@ def run_rank(cfg: PDConfig, world_rank: int, init_addr: str | None,
                 app.on_shutdown.append(shutting_down)
             # handler_cancellation: a client that hangs up aborts its request and frees its pages
             web.run_app(app, host=cfg.engine.host, port=port, print=None,
-                        access_log=None, handler_cancellation=True)
+                        access_log=None, handler_cancellation=True, **runner_options(app))
         else:
             asyncio.run(follower_main(cfg, info, dist, Bootstrap(boot_host, bport, 1)))
     finally:

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from bootstrap.config import BootstrapConfig
+from bootstrap.http_limits import make_runner
 from bootstrap.server import STATE as BOOTSTRAP_STATE
 from bootstrap.server import create_app as create_bootstrap_app
 from engine import server as mono
@@ -260,10 +261,11 @@ async def prefill_ctx(app: web.Application) -> AsyncIterator[None]:
                                host=cfg.engine.host, port=bport, etcd=cfg.etcd,
                                advertise_host=cfg.public_host, auth_token=cfg.auth_token,
                                etcd_prefix=cfg.etcd_prefix, lease_ttl=cfg.lease_ttl,
+                               read_timeout_s=cfg.engine.read_timeout_s,
                                instance_fields={"url": url, "tp_size": info.tp_size,
                                                 "dp_size": info.dp_size})
         bapp = create_bootstrap_app(bcfg)
-        boot_runner = web.AppRunner(bapp, access_log=None)
+        boot_runner = make_runner(bapp, access_log=None)
         try:
             await boot_runner.setup()  # claims the instance id (InstanceIdInUse)
             await web.TCPSite(boot_runner, cfg.engine.host, bport).start()

@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from bootstrap.config import BootstrapConfig
+from bootstrap.http_limits import make_runner
 from bootstrap.server import create_app
 from index.etcd import EtcdClient
 from index.keys import loads
@@ -49,7 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 async def serve(config: BootstrapConfig) -> None:
     """Serve until SIGTERM/SIGINT, then shut down cleanly (the lease is revoked)."""
-    runner = web.AppRunner(create_app(config), access_log=None)
+    runner = make_runner(create_app(config), access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port)

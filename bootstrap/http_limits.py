@@ -1,0 +1,72 @@
+"""How long a client may take to send a request, for kvatlas's aiohttp servers: the bootstrap
+server and the engine's worker port (``engine/`` imports this; the router has its own HTTP
+layer with the same bound).
+
+A slow client (slowloris: a request head or body trickled a byte at a time) would otherwise hold
+a connection, and the memory behind it, for as long as it likes. Two bounds, one setting:
+
+- The request head: aiohttp's keep-alive timer closes a connection whose next request head has
+  not arrived whole ``read_timeout_s`` after the connection opened or its previous answer went
+  out (aiohttp counts a half-received head as idle). ``web.run_app`` sets that timer to 75 s,
+  a bare ``web.AppRunner`` to 3630 s: :func:`make_runner` and :func:`runner_options` give
+  every server the app's own bound.
+- The body: a handler reads it inside :func:`body_deadline`; a body not received whole within
+  ``read_timeout_s`` is a 408 (JSON ``{"error": ...}``) and the connection is closed.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+READ_TIMEOUT_S = 75.0
+"""Default bound, in seconds, on a request head and on a body (web.run_app's keep-alive)."""
+
+READ_TIMEOUT = web.AppKey("read_timeout_s", float)
+
+
+def check_read_timeout(seconds: float) -> None:
+    """The validation both servers' configs apply to their ``read_timeout_s``."""
+    if not seconds > 0:
+        raise ValueError(f"read timeout must be > 0 seconds, got {seconds}")
+
+
+def bound_reads(app: web.Application, read_timeout_s: float) -> None:
+    """Record the app's bound (its factory calls this; runners and handlers read it)."""
+    check_read_timeout(read_timeout_s)
+    app[READ_TIMEOUT] = read_timeout_s
+
+
+def read_timeout(app: web.Application) -> float:
+    return app.get(READ_TIMEOUT, READ_TIMEOUT_S)
+
+
+def runner_options(app: web.Application) -> dict[str, Any]:
+    """Keyword arguments for ``web.run_app`` / ``web.AppRunner`` that bound request heads."""
+    return {"keepalive_timeout": read_timeout(app)}
+
+
+def make_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
+    """A ``web.AppRunner`` for ``app`` whose connections must send their heads in time."""
+    return web.AppRunner(app, **runner_options(app), **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def body_deadline(request: web.Request) -> AsyncIterator[None]:
+    """Bound the reading of ``request``'s body done inside the block: 408 when it overruns."""
+    seconds = read_timeout(request.app)
+    timer = asyncio.timeout(seconds)
+    try:
+        async with timer:
+            yield
+    except TimeoutError:
+        if not timer.expired():
+            raise
+        raise web.HTTPRequestTimeout(
+            text=json.dumps({"error": f"request body not received within {seconds:g} s "
+                                      "(the server's read timeout)"}),
+            content_type="application/json", headers={"Connection": "close"}) from None

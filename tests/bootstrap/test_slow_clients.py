@@ -1,0 +1,131 @@
+"""Slow clients (slowloris) on the aiohttp servers: a request head, or a body, trickled a byte at a
+time is cut off after the read timeout, on the bootstrap server as on the engine's port, both
+served the way kvatlas serves them (``bootstrap.http_limits``); a prompt client is served."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from bootstrap.config import BootstrapConfig
+from bootstrap.http_limits import make_runner
+from bootstrap.server import create_app as create_bootstrap_app
+from engine.serve_config import EngineServerConfig
+from engine.server import create_app as create_engine_app
+from kvatlas.etcd_proc import free_port
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[2]
+READ_TIMEOUT = 1.0
+CAP = 30.0  # far past READ_TIMEOUT: only a server that never cuts the client reaches it
+
+
+async def trickle(port: int, head: bytes, drip: bytes, period: float = 0.2) -> bytes:
+    """Send ``head``, then ``drip`` every ``period`` s until the server answers or hangs up;
+    returns its answer (head and body; b"": it closed without one). Raises AssertionError when
+    the server still listens after CAP seconds."""
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    deadline = loop.time() + CAP
+    try:
+        writer.write(head)
+        while loop.time() < deadline:
+            try:
+                first = await asyncio.wait_for(reader.read(1), period)
+            except TimeoutError:
+                try:
+                    writer.write(drip)
+                    await writer.drain()
+                except ConnectionError:
+                    return b""
+                continue
+            except ConnectionError:
+                return b""
+            if not first:
+                return b""
+            answer = first + await reader.readuntil(b"\r\n\r\n")
+            length = next(int(line.split(b":")[1]) for line in answer.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            return answer + await reader.readexactly(length)
+        raise AssertionError(f"the server kept a slow client for {CAP} s")
+    finally:
+        writer.close()
+
+
+async def cut_off(port: int, body_path: str, method: str = "POST") -> None:
+    """The server at ``port`` cuts a slow head, answers a slow body 408 (JSON) and closes."""
+    assert await trickle(port, b"GET /health HTTP/1.1\r\nHost: a\r\n", b"X-Slow: 1\r\n") == b""
+    answer = await trickle(port, f"{method} {body_path} HTTP/1.1\r\nHost: a\r\nContent-Type: "
+                                 "application/json\r\nContent-Length: 100\r\n\r\n{".encode(), b" ")
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 408 Request Timeout", answer
+    doc = json.loads(rest.partition(b"\r\n\r\n")[2])
+    assert "not received within 1 s" in doc["error"], doc
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/health") as r:
+        assert r.status == 200
+
+
+async def serve(app: web.Application) -> tuple[int, web.AppRunner]:
+    runner = make_runner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return port, runner
+
+
+@pytest.fixture
+async def bootstrap_port() -> AsyncIterator[int]:
+    port, runner = await serve(create_bootstrap_app(BootstrapConfig(
+        instance_id="slow-1", model="tiny", read_timeout_s=READ_TIMEOUT)))
+    yield port
+    await runner.cleanup()
+
+
+async def test_the_bootstrap_server_cuts_slow_clients(bootstrap_port: int) -> None:
+    await cut_off(bootstrap_port, "/route", method="PUT")
+
+
+async def test_the_engine_port_cuts_slow_clients() -> None:
+    port, runner = await serve(create_engine_app(EngineServerConfig(read_timeout_s=READ_TIMEOUT)))
+    try:
+        await cut_off(port, "/generate")
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_prefill_process_cuts_slow_clients_on_both_ports() -> None:
+    """`kvatlas engine serve --mode prefill --read-timeout 1`: its engine port and the bootstrap
+    server it runs share the bound."""
+    port, bport = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KVATLAS_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvatlas", "engine", "serve", "--mode", "prefill", "--model",
+         "tiny", "--host", "127.0.0.1", "--port", str(port), "--bootstrap-port", str(bport),
+         "--num-pages", "64", "--read-timeout", str(READ_TIMEOUT)],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    try:
+        async with aiohttp.ClientSession() as s:
+            while True:
+                assert proc.poll() is None, "the prefill exited"
+                try:
+                    async with s.get(f"http://127.0.0.1:{bport}/ready") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.2)
+        await cut_off(bport, "/route", method="PUT")
+        await cut_off(port, "/generate")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
