@@ -85,6 +85,11 @@ class ModelConfig:
         return getattr(torch, self.dtype)
 
     @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt accepted: one position is left for the first generated token."""
+        return self.max_positions - 1
+
+    @property
     def group_size(self) -> int:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads

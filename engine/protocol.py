@@ -29,11 +29,21 @@ class GenInput:
     rid: str | None = None
 
 
+NOT_UTF8 = "is not UTF-8; send JSON encoded as UTF-8 (RFC 8259)"
+"""The reason given for a body in another encoding, word for word the router's: a client gets
+the same answer from the router and from a worker."""
+_WIDE_BOMS = (b"\x00\x00\xfe\xff", b"\xff\xfe", b"\xfe\xff")  # UTF-32-BE, UTF-16/32-LE, UTF-16-BE
+
+
 def load_json(raw: bytes) -> dict[str, Any]:
+    # UTF-16/32 text of ASCII is valid UTF-8 with NULs (JSON text starts with ASCII): hence
+    # the NUL and BOM checks before the strict decode.
+    if b"\x00" in raw[:4] or raw.startswith(_WIDE_BOMS):
+        raise BadRequest("body", NOT_UTF8)
     try:
         text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadRequest("body", f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except UnicodeDecodeError:
+        raise BadRequest("body", NOT_UTF8) from None
     try:
         body = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -109,6 +119,7 @@ def _check_text(text: str, field: str) -> None:
 
 
 def _too_long(n: int, field: str, max_positions: int) -> BadRequest:
+    # max_positions - 1: ModelConfig.max_prompt_tokens, which /server_info reports
     return BadRequest(field, f"prompt has {n} tokens; the model takes at most "
                              f"{max_positions - 1} (max positions {max_positions})")
 
@@ -204,6 +215,7 @@ def parse_generate(body: dict[str, Any], model: ModelConfig) -> tuple[list[GenIn
         sp = {}
     if not isinstance(sp, dict):
         raise BadRequest("sampling_params", f"must be an object, got {type(sp).__name__}")
+    check_n(sp, "sampling_params.")
     rid = body.get("rid")
     if batch:
         # ids given twice are a 409 (DuplicateRequest) where the engine claims them
@@ -233,10 +245,17 @@ UNSUPPORTED_OPENAI: dict[str, tuple[object, ...]] = {
 }
 
 
-def _common_openai(body: dict[str, Any]) -> None:
-    n = _int(body, "n", 1)
+def check_n(d: dict[str, Any], prefix: str = "") -> None:
+    """Refuse ``n`` > 1 (several samples of one prompt), which this engine does not produce:
+    answering one sample where n were asked would look like success."""
+    n = _int(d, "n", 1, lo=1, prefix=prefix)
     if n != 1:
-        raise BadRequest("n", "only n = 1 is supported")
+        raise BadRequest(prefix + "n", f"only n = 1 is supported (got {n}); send {n} requests, "
+                                       "or a batch of the prompt repeated, with their own seeds")
+
+
+def _common_openai(body: dict[str, Any]) -> None:
+    check_n(body)
     for key, defaults in UNSUPPORTED_OPENAI.items():
         v = body.get(key)
         # True == 1 in Python: a bool only matches a bool default (best_of: true is refused)

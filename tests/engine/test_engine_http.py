@@ -234,7 +234,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("/generate", {"text": "a", "rid": 3}, "rid: must be a non-empty string"),
     ("/generate", [1, 2], "must be a JSON object"),
     ("/generate", b"{not json", "not valid JSON"),
-    ("/generate", b'{"text": "\xff\xfe"}', "not valid UTF-8"),
+    ("/generate", b'{"text": "\xff\xfe"}', "body: is not UTF-8; send JSON encoded as UTF-8 (RFC 8259)"),
     ("/v1/completions", {"prompt": ""}, "prompt: must not be empty"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "n": 2}, "n = 1"),
