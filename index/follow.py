@@ -179,7 +179,8 @@ class PrefixFollower:
                         except StopAsyncIteration:
                             break
                         await self._on_batch(batch)
-                        backoff.reset()
+                        if not batch.created:  # a stream that only opens is no success yet
+                            backoff.reset()
             except asyncio.CancelledError:
                 raise
             except asyncio.TimeoutError:
@@ -187,6 +188,9 @@ class PrefixFollower:
                 logger.warning("%s: watch silent for %.1f s at revision %d; reloading",
                                self.name, self.stale_after, self.revision)
                 reload = True
+                # Backoff: a watch that keeps going silent must not turn into back-to-back
+                # snapshots of a large prefix.
+                await asyncio.sleep(backoff.next())
             except EtcdCompacted as exc:
                 self.compactions += 1
                 logger.warning("%s: revision %d compacted (up to %d); reloading",
