@@ -9,7 +9,11 @@ way chat traffic does. Bounded: 60 s by default, 10 minutes at most.
 
 Memory: RSS of every process of the cluster (each process group: ranks included) after a
 warm-up and at the end; growth is reported per process (goal: flat). etcd's db size comes from
-its maintenance status. Prints a table and writes bench/results/load.json.
+its maintenance status. Router restart: on a cluster it started itself, the router is then
+killed and launched again, and the time from it listening until ``/readiness`` shows every worker
+available and the index live with at least the blocks it had is reported (the fault test
+tests/faults/test_restarts.py only waits for that state; the figure is here). Prints a table and
+writes bench/results/load.json.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvatlas.launcher.state import ClusterState, proc_rss  # noqa: E402
-from kvatlas.launcher.supervisor import LocalCluster  # noqa: E402
+from kvatlas.launcher.supervisor import LocalCluster, healthy, http_status  # noqa: E402
 from kvatlas.launcher.topology import Topology  # noqa: E402
 
 MAX_DURATION = 600.0
@@ -72,6 +76,42 @@ def etcd_db_size(state: ClusterState) -> int | None:
         except (OSError, ValueError):
             continue
     return None
+
+
+def readiness(url: str) -> tuple[int, Any]:
+    status, body = http_status(f"{url}/readiness", timeout=2.0)
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, None
+
+
+def rebuilt(url: str, blocks: int) -> bool:
+    status, ready = readiness(url)
+    if status != 200:
+        return False
+    index = ready["index"]
+    return (index["state"] == "live" and index["blocks"] >= blocks
+            and all(ready[r]["available"] == ready[r]["total"] > 0 for r in ("prefill", "decode")))
+
+
+def router_rebuild(cluster: LocalCluster, url: str, timeout: float = 60.0) -> float:
+    """Seconds from a relaunched router listening until its pools and index are back."""
+    _, before = readiness(url)
+    blocks = int(before["index"]["blocks"]) if before else 0
+    cluster.kill("router")
+    cluster.launch(cluster.service("router"))
+    deadline = time.monotonic() + timeout
+    while not healthy("router", f"{url}/health", timeout=0.5):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the relaunched router did not listen")
+        time.sleep(0.02)
+    listening = time.monotonic()
+    while not rebuilt(url, blocks):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the relaunched router did not rebuild its pools and index")
+        time.sleep(0.02)
+    return time.monotonic() - listening
 
 
 def make_prompt(rng: random.Random) -> str:
@@ -166,6 +206,7 @@ def main() -> int:
                                     args.timeout, args.seed))
         elapsed = time.perf_counter() - t0
         mem1, db1 = memory(state), etcd_db_size(state)
+        rebuild = router_rebuild(cluster, url) if cluster is not None else None
     finally:
         if cluster is not None:
             cluster.stop()
@@ -189,6 +230,7 @@ def main() -> int:
                        "growth": round((mem1.get(n, 0) - mem0.get(n, 0)) / 2 ** 20, 1)}
                    for n in sorted(set(mem0) | set(mem1))},
         "etcd_db_bytes": {"start": db0, "end": db1},
+        "router_rebuild_s": None if rebuild is None else round(rebuild, 3),
         "max_new_tokens": args.max_new_tokens, "engine_mode": state.topology.get("engine_mode"),
         "prefill": state.topology.get("prefill"), "decode": state.topology.get("decode"),
     }
@@ -201,6 +243,8 @@ def main() -> int:
     print(f"{'latency p50 / p99':<22}{report['latency_p50_ms']:>10} / "
           f"{report['latency_p99_ms']} ms")
     print(f"{'etcd db size':<22}{str(db0):>10} -> {db1} bytes")
+    if rebuild is not None:
+        print(f"{'router rebuild':<22}{rebuild:>10.3f} s  (listening -> pools and index back)")
     print(f"{'process':<22}{'rss start':>10}{'rss end':>10}{'growth':>10}  (MB)")
     for n, m in report["rss_mb"].items():
         print(f"{n:<22}{m['start']:>10}{m['end']:>10}{m['growth']:>10}")

@@ -1,13 +1,20 @@
-"""Steady client traffic through the router, and small probes of a running PD cluster."""
+"""Steady client traffic through the router, small probes of a running PD cluster, and the
+monolithic reference its answers are checked against (a 200 with wrong tokens is a failure)."""
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from engine.config import get_model_config
+from engine.protocol import encode_text
+from engine.runner import build_scheduler, run_to_completion
+from engine.sampling import SamplingParams
+from engine.scheduler import Request
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout
 from kvatlas.launcher.state import ClusterState
@@ -20,6 +27,14 @@ HEALTH_INTERVAL = 1.0
 """Router health interval of the fault clusters."""
 CLIENT_TIMEOUT = 30.0
 """A request that takes longer than this counts as hung."""
+MAX_NEW = 4
+"""Tokens generated per request (greedy, EOS ignored, so that the reference is exact)."""
+MODEL = "tiny"
+"""The fault clusters' model (the launcher's default)."""
+
+
+def sampling() -> dict[str, Any]:
+    return {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
 
 
 @dataclass
@@ -31,6 +46,9 @@ class Outcome:
     error: str | None
     clean: bool
     """200, or an error answer with a JSON ``error`` naming the problem."""
+    prompt: str = ""
+    tokens: list[int] | None = None
+    """The answer's ``output_ids``."""
 
 
 @dataclass
@@ -46,16 +64,18 @@ class Traffic:
 
     async def _one(self, session: aiohttp.ClientSession, n: int) -> None:
         t0 = time.monotonic()
-        body = {"text": f"{self.prefix}Question {n}: what is {n} plus {n}?",
-                "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+        prompt = f"{self.prefix}Question {n}: what is {n} plus {n}?"
+        body = {"text": prompt, "sampling_params": sampling()}
         try:
             async with session.post(f"{self.url}/generate", json=body) as resp:
                 doc: Any = await resp.json(content_type=None)
                 err = doc.get("error") if isinstance(doc, dict) else None
                 clean = resp.status == 200 or isinstance(err, str)
-                self.outcomes.append(Outcome(t0, time.monotonic() - t0, resp.status, err, clean))
+                tokens = doc.get("output_ids") if isinstance(doc, dict) else None
+                self.outcomes.append(Outcome(t0, time.monotonic() - t0, resp.status, err, clean,
+                                             prompt, tokens))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            self.outcomes.append(Outcome(t0, time.monotonic() - t0, 0, repr(exc), False))
+            self.outcomes.append(Outcome(t0, time.monotonic() - t0, 0, repr(exc), False, prompt))
 
     async def _run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=CLIENT_TIMEOUT)
@@ -110,12 +130,39 @@ async def route(router: str, prompt: str) -> dict[str, Any]:
 
 
 async def generate(router: str, prompt: str, timeout: float = CLIENT_TIMEOUT) -> dict[str, Any]:
-    body = {"text": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+    """POST ``prompt``; the answer must be a 200 with the monolithic engine's tokens."""
+    body = {"text": prompt, "sampling_params": sampling()}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
         async with s.post(f"{router}/generate", json=body) as resp:
             doc = await resp.json(content_type=None)
             assert resp.status == 200, doc
-            return doc
+    assert_reference_tokens([answered(prompt, doc)])
+    return doc
+
+
+def answered(prompt: str, doc: Any) -> Outcome:
+    """A 200 answer to ``prompt``, as an outcome to check with ``assert_reference_tokens``."""
+    tokens = doc.get("output_ids") if isinstance(doc, dict) else None
+    return Outcome(0.0, 0.0, 200, None, True, prompt, tokens)
+
+
+def reference_tokens(prompts: Iterable[str]) -> dict[str, list[int]]:
+    """Greedy tokens of the one-process engine for each prompt: what PD must answer."""
+    order = sorted(set(prompts))
+    sched = build_scheduler(get_model_config(MODEL), num_pages=2048)
+    reqs = [Request(f"ref{i}", encode_text(p, "text"), SamplingParams(**sampling()))
+            for i, p in enumerate(order)]
+    done = run_to_completion(sched, reqs)
+    return {p: done[r.rid].output_ids for p, r in zip(order, reqs)}
+
+
+def assert_reference_tokens(outcomes: Iterable[Outcome]) -> None:
+    """Every answered request (status 200) carried the monolithic engine's tokens."""
+    answered = [o for o in outcomes if o.status == 200]
+    assert answered, "no request was answered"
+    want = reference_tokens(o.prompt for o in answered)
+    wrong = [(o.prompt, o.tokens, want[o.prompt]) for o in answered if o.tokens != want[o.prompt]]
+    assert not wrong, f"{len(wrong)} of {len(answered)} answers differ from monolithic: {wrong[:3]}"
 
 
 async def etcd_keys(state: ClusterState, instance_id: str) -> dict[str, int]:

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from fault_helpers import SYSTEM, Traffic, etcd_keys, get_json, get_text, route, wait_for
+from fault_helpers import (SYSTEM, Traffic, assert_reference_tokens, etcd_keys, generate, get_json,
+                           get_text, route, wait_for)
 
 from kvatlas.launcher.supervisor import LocalCluster
 
@@ -39,6 +40,15 @@ def _chose_a_holder(decision: dict[str, Any]) -> bool:
     return best > 0 and matched.get(decision["prefill"]["instance_id"]) == best
 
 
+async def _flagged_stale(router: str) -> bool:
+    return await _stale_flags(router) == (1.0, "stale")
+
+
+def _stale_and_by_holder(decision: dict[str, Any]) -> bool:
+    """One routing decision that both reads the index as stale and follows it to a holder."""
+    return decision["index"]["state"] == "stale" and _chose_a_holder(decision)
+
+
 async def test_member_loss_quorum_loss_and_recovery(
         pd_cluster: Callable[..., LocalCluster]) -> None:
     cluster = pd_cluster(etcd_members=3)
@@ -54,19 +64,22 @@ async def test_member_loss_quorum_loss_and_recovery(
     one_down = await traffic.stop()
     assert len(one_down) >= 20 and not [o for o in one_down if o.status != 200], \
         [(o.status, o.error) for o in one_down if o.status != 200][:3]
+    assert_reference_tokens(one_down)
 
     # Two down: no quorum. Routing continues on the last known index; bootstrap keeps serving.
     traffic = Traffic(router, rate=6.0).start()
     cluster.kill("etcd1")
-    await asyncio.sleep(5.0)
+    await wait_for(lambda: _flagged_stale(router), 15.0, interval=0.25)
     decision = await route(router, SYSTEM + "Q again?")
-    assert _chose_a_holder(decision), "routing kept the last known index"
+    assert _stale_and_by_holder(decision), f"stale, routing on the last known index: {decision}"
+    await asyncio.sleep(2.0)  # traffic through the outage
     boot = state.process(holder).ports["bootstrap"]
     status, topo = await get_json(f"http://127.0.0.1:{boot}{TOPOLOGY}")
     assert status == 200 and topo["dp_size"] == 1, "bootstrap keeps serving without etcd"
     no_quorum = await traffic.stop()
     failed = [o for o in no_quorum if o.status != 200]
     assert len(no_quorum) >= 20 and not failed, [(o.status, o.error) for o in failed][:3]
+    assert_reference_tokens(no_quorum)
 
     # Members back: the index converges, and the prefix stored meanwhile is found again.
     cluster.restart("etcd1")
@@ -87,16 +100,21 @@ async def test_member_loss_quorum_loss_and_recovery(
 async def test_quorum_loss_is_flagged_stale(pd_cluster: Callable[..., LocalCluster]) -> None:
     cluster = pd_cluster(etcd_members=3)
     router = cluster.state.router["url"]
+    await generate(router, SYSTEM + "Warm the shared prefix?")
+
+    async def indexed() -> bool:
+        return _chose_a_holder(await route(router, SYSTEM + "Q?"))
+
+    await wait_for(indexed, 15.0, interval=0.2)  # the prefix's blocks reached the router's index
+    holder = (await route(router, SYSTEM + "Q?"))["prefill"]["instance_id"]
     cluster.kill("etcd2")
     cluster.kill("etcd1")
-
-    async def flagged() -> bool:
-        return await _stale_flags(router) == (1.0, "stale")
-
-    await wait_for(flagged, 15.0, interval=0.25)
-    # Stale, yet routing goes on from the last known index.
+    await wait_for(lambda: _flagged_stale(router), 15.0, interval=0.25)
+    # Stale, yet routing goes on from the last known index: in one decision, to its holder.
     decision = await route(router, SYSTEM + "Still routed?")
-    assert decision["prefill"]["instance_id"]
+    assert _stale_and_by_holder(decision), decision
+    assert decision["prefill"]["instance_id"] == holder
+    await generate(router, SYSTEM + "Still answered?")  # the monolithic tokens, no etcd
 
     cluster.restart("etcd1")
     cluster.restart("etcd2")

@@ -6,7 +6,8 @@ import time
 from collections.abc import Callable
 
 import pytest
-from fault_helpers import HEALTH_INTERVAL, LEASE_TTL, SYSTEM, Traffic, etcd_keys, route, wait_for
+from fault_helpers import (HEALTH_INTERVAL, LEASE_TTL, SYSTEM, Traffic, assert_reference_tokens,
+                           etcd_keys, route, wait_for)
 
 from kvatlas.launcher.supervisor import LocalCluster
 
@@ -49,5 +50,7 @@ async def test_prefill_sigkill_under_traffic(pd_cluster: Callable[..., LocalClus
     failed = [o for o in outcomes if o.status != 200]
     # Retries go to the surviving instance: at most the requests in flight at the kill fail.
     assert len(failed) <= 3, [(o.status, o.error) for o in failed]
+    # A retried request is answered in full by the survivor, not stitched from two.
+    assert_reference_tokens(outcomes)
     print(f"router stopped choosing {victim} {took:.2f}s after SIGKILL; {len(outcomes)} "
           f"requests, {len(failed)} failed cleanly")

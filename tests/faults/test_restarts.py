@@ -3,19 +3,18 @@ same id replaces its old rank addresses, decodes reconnect to it and its events 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 import aiohttp
 import pytest
-from fault_helpers import (LEASE_TTL, SYSTEM, Traffic, etcd_keys, generate, get_json, route,
-                           wait_for)
+from fault_helpers import (LEASE_TTL, SYSTEM, Traffic, answered, assert_reference_tokens,
+                           etcd_keys, generate, get_json, route, sampling, wait_for)
 
 from engine.protocol import encode_text
 from index.etcd import EtcdClient, EtcdSettings
 from index.hashing import DEFAULT_BLOCK_SIZE, block_hashes
 from index.keys import KeyLayout, loads
-from kvatlas.launcher.supervisor import LocalCluster, healthy
+from kvatlas.launcher.supervisor import LocalCluster
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -33,28 +32,25 @@ async def test_router_restart_rebuilds_from_etcd(pd_cluster: Callable[..., Local
     cluster.kill("router")
     traffic = Traffic(router, rate=5.0)
     cluster.launch(cluster.service("router"))
-    # From the moment it listens, pools and index must be back within 2 s.
-    deadline = time.monotonic() + 30
-    while not healthy("router", f"{router}/health", timeout=0.5):
-        assert time.monotonic() < deadline, "router did not come back"
-        await asyncio.sleep(0.02)
-    listening = time.monotonic()
 
     async def rebuilt() -> bool:
-        status, ready = await get_json(f"{router}/readiness")
+        try:
+            status, ready = await get_json(f"{router}/readiness")
+        except aiohttp.ClientError:
+            return False  # not listening yet
         return (status == 200 and ready["prefill"]["available"] == 2
                 and ready["decode"]["available"] == 1 and ready["index"]["state"] == "live"
                 and ready["index"]["blocks"] >= blocks)
 
-    took = await wait_for(rebuilt, 10.0, interval=0.05)
-    assert took <= 2.0, f"pools and index rebuilt {took:.2f}s after the router listened"
+    # Waited for, not timed: how fast it comes back is bench/load.py's router_rebuild_s.
+    await wait_for(rebuilt, 30.0, interval=0.05)
     assert (await route(router, SYSTEM + "next?"))["prefill"]["instance_id"] == expected
     traffic.start()
     await asyncio.sleep(3.0)
     outcomes = await traffic.stop()
     assert outcomes and all(o.status == 200 for o in outcomes), \
         [(o.status, o.error) for o in outcomes if o.status != 200][:3]
-    print(f"router rebuilt {took:.2f}s after listening ({time.monotonic() - listening:.1f}s)")
+    assert_reference_tokens(outcomes)
 
 
 async def _rank_records(cluster: LocalCluster, iid: str) -> list[dict[str, object]]:
@@ -137,15 +133,17 @@ async def test_decode_reconnects_to_a_restarted_prefill(
     boot = state.process(victim).ports["bootstrap"]
     decode = state.by_role("decode")[0].url
     room = 424242
-    body = {"text": SYSTEM + "straight to the restarted instance?",
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+    prompt = SYSTEM + "straight to the restarted instance?"
+    body = {"text": prompt, "sampling_params": sampling(),
             "bootstrap_host": "127.0.0.1", "bootstrap_port": boot, "bootstrap_room": room}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
-        async def post(url: str) -> int:
+        async def post(url: str) -> tuple[int, object]:
             async with s.post(f"{url}/generate", json=body) as resp:
-                await resp.read()
-                return resp.status
-        statuses = await asyncio.gather(post(state.process(victim).url), post(decode),
-                                        return_exceptions=True)
+                return resp.status, await resp.json(content_type=None)
+        answers = await asyncio.gather(post(state.process(victim).url), post(decode),
+                                       return_exceptions=True)
     status, doc = await get_json(f"{decode}/debug/rooms/{room}")
+    statuses = [a[0] if isinstance(a, tuple) else a for a in answers]
     assert statuses == [200, 200] and status == 200 and doc["stage"] == "consumed", (statuses, doc)
+    assert isinstance(answers[1], tuple)
+    assert_reference_tokens([answered(prompt, answers[1][1])])
