@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
+from agent_helpers import eventually
 
 from index.etcd import EtcdClient, EtcdSettings, WatchBatch
 from index.keys import KeyLayout
@@ -132,12 +133,5 @@ async def test_connected_is_false_while_behind_a_stalled_watch(
         client.held = False
         rev = await ordinary_write(etcd, layout, 3)
         assert await mirror.wait_revision(rev, 10)
-        assert await _eventually_connected(mirror)
+        await eventually(lambda: mirror.connected, 5, "connected once the stream delivers")
 
-
-async def _eventually_connected(mirror: BlockMirror) -> bool:
-    for _ in range(500):
-        if mirror.connected:
-            return True
-        await asyncio.sleep(0.01)
-    return False
