@@ -20,6 +20,10 @@ Decode rank (one receiver per rank; prefill endpoints come from the rank mapping
     monitor = HeartbeatMonitor.for_receiver(receiver, endpoint, config, probe=http_health_probe)
 
 Failures raise :class:`TransferError` (room, reason, peer, stage, expected/actual, released pages).
+
+Authentication: give every prefill and decode rank the same ``TransferConfig.key`` (a worker reads
+it from ``$KVATLAS_TRANSFER_KEY`` through ``TransferConfig.from_cli_args``) and every message
+carries a MAC (``transfer.auth``); without one, senders and receivers warn at start-up.
 """
 from transfer.backends import (BACKENDS, Destination, KVReceiver, KVSender, ReceiveResult,
                                SenderHooks, create_receiver, create_sender)

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from transfer import auth, wire
-from transfer.backends._receiver_checks import (PeerRx as _PeerRx, check_coverage,
-                                                chunk_problems, requesters)
+from transfer.backends._receiver_checks import (PeerRx, check_coverage, chunk_problems,
+                                                requesters)
 from transfer.backends._receiver_write import PoolWriter
 from transfer.backends.base import KVReceiver, ReceiveResult
 from transfer.base import (TRANSFER_KEY_ENV, TransferConfig, TransferError, TransferState,
@@ -60,7 +60,7 @@ class _Rx:
     status: TransferStatus
     transfer_id: int
     dst_page_ids: list[int]
-    peers: dict[str, _PeerRx]
+    peers: dict[str, PeerRx]
     done: asyncio.Future
     started: float = field(default_factory=time.monotonic)
     held: list[tuple[str, wire.Pages, list[Any]]] = field(default_factory=list)
@@ -212,7 +212,7 @@ class ProtocolReceiver(KVReceiver):
                                         f"heads {layout.heads}: nothing this rank (layers "
                                         f"{self.layout.layers} heads {self.layout.heads}) needs; "
                                         "check the rank mapping", peer=endpoint)
-                rx.peers[endpoint] = _PeerRx(layers, heads,
+                rx.peers[endpoint] = PeerRx(layers, heads,
                                              bytearray(len(dst) * (layers[1] - layers[0])))
                 self._peers[endpoint].rooms.add(room)
             check_coverage(room, self.layout, rx.peers)

@@ -20,7 +20,8 @@ from transfer import auth, wire
 from transfer.backends._chunks import check_room, flip_first_byte, plan_chunks
 from transfer.backends._pending import EarlyTable, check_request
 from transfer.backends.base import Destination, KVSender, SenderHooks
-from transfer.base import TRANSFER_KEY_ENV, TransferConfig, TransferError, TransferState, TransferStatus
+from transfer.base import (TRANSFER_KEY_ENV, TransferConfig, TransferError, TransferState,
+                           TransferStatus)
 from transfer.layout import KVLayout, PageSource, intersect, tensor_bytes
 
 logger = logging.getLogger(__name__)
@@ -243,12 +244,14 @@ class ProtocolSender(KVSender):
                                     self.layout.head_dim),
                              buffers=buffers, **extra)
             frames = self._encode(msg)
-            if room in self.hooks.corrupt_rooms and chunks >= self.hooks.from_chunk:
+            if room in self.hooks.corrupt_rooms and chunks >= self.hooks.from_chunk \
+                    and len(frames) > 1:
                 frames[1] = flip_first_byte(frames[1])  # in flight: after checksum and MAC
             await self._send_frames(d.reg.conn, frames)
             chunks += 1
             self.stats["bytes_sent"] += sum(t.numel() * t.element_size() for t in tensors)
-        final = wire.Final(transfer_id=req.transfer_id, room=self.hooks.room_override.get(room, room), first_token=first_token,
+        final = wire.Final(transfer_id=req.transfer_id,
+                           room=self.hooks.room_override.get(room, room), first_token=first_token,
                            cached_tokens=cached_tokens, num_pages=len(page_ids), num_chunks=chunks)
         await self._send_frames(d.reg.conn, self._encode(final))
 
