@@ -75,3 +75,38 @@ async def test_clients_hanging_up_mid_stream_leave_the_pair_at_rest(routed: Any)
         assert all(w.breaker.state == "closed" for w in app.state.pools.all())
         async with s.post(url + "/generate", json=_body(3)) as r:
             assert r.status == 200 and len((await r.json())["output_ids"]) == 3
+
+
+async def test_the_router_refuses_what_the_engines_refuse_in_their_words(routed: Any) -> None:
+    """The router learns each worker's prompt limit from its /server_info and refuses a longer
+    prompt itself (the pair sees nothing); a body not in UTF-8 gets the engines' very answer."""
+    pair, app, url = routed
+    await wait_until(lambda: all(w.limits.prompt for w in app.state.pools.all()), "limits learned")
+    async with aiohttp.ClientSession() as s:
+        async with s.get(pair.p_url + "/server_info") as r:
+            limit = (await r.json())["max_prompt_tokens"]
+        body = {"input_ids": [65] * (limit + 1), "sampling_params": {"max_new_tokens": 1}}
+        async with s.post(url + "/generate", json=body) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+        assert f"at most {limit} are taken (max_prompt_tokens of worker" in error, error
+        assert await _admitted(s, pair.p_url) == 0  # refused before the pair saw it
+        body["input_ids"] = body["input_ids"][:limit]  # at the limit: served
+        async with s.post(url + "/generate", json=body) as r:
+            assert r.status == 200, await r.text()
+        assert await _admitted(s, pair.p_url) == 1
+        raw = json.dumps(_body(1)).encode("utf-16")
+        answers = []
+        for target in (url, pair.p_url, pair.d_url):
+            async with s.post(target + "/generate", data=raw,
+                              headers={"content-type": "application/json"}) as r:
+                answers.append((r.status, (await r.json())["error"]))
+        assert answers == [(400, "body: is not UTF-8; send JSON encoded as UTF-8 (RFC 8259)")] * 3
+
+
+async def _admitted(s: aiohttp.ClientSession, url: str) -> float:
+    """Requests the engine at ``url`` admitted (its /metrics)."""
+    async with s.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvatlas_engine_requests_total"))
