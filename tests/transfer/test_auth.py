@@ -10,6 +10,8 @@ import logging
 import msgpack
 import pytest
 import torch
+import zmq
+import zmq.asyncio
 from transfer_helpers import Rig, fast_config, layout, pages_of, pool
 
 from transfer import TransferConfig, TransferError, TransferState, wire
@@ -21,7 +23,8 @@ OTHER = "o" * 16 + "-another-cluster-key"
 
 
 def keyed(key: str | None = KEY) -> TransferConfig:
-    return fast_config(key=key)
+    # A refused decode never asks for the room: the prefill's send ends at the bootstrap timeout.
+    return fast_config(key=key, bootstrap_timeout_s=2.0)
 
 
 def pages_msg(room: int, data: bytes = b"\x01" * 64) -> wire.Pages:
@@ -96,7 +99,7 @@ async def test_a_forged_rank_cannot_deliver_kv(rig: Rig) -> None:
     """The decode resolved a rank that an attacker registered (e.g. a forged PUT /route): the
     attacker's sender runs the real protocol, but without the key its KV never reaches the pool."""
     lay = layout()
-    forged = await rig.sender(lay, pool(lay, 8, 99), fast_config())
+    forged = await rig.sender(lay, pool(lay, 8, 99), keyed(None))
     dst = pool(lay, 8, None)
     r = await rig.receiver(lay, dst, keyed())
     forged.create(12)
@@ -107,22 +110,29 @@ async def test_a_forged_rank_cannot_deliver_kv(rig: Rig) -> None:
     assert bool((dst.float() == -7.0).all()) and r.stats["auth_failures"] >= 1
 
 
-async def test_unkeyed_abort_and_request_are_ignored(rig: Rig, caplog) -> None:
-    """A peer without the key that reaches the prefill's port cannot abort a room or ask for it."""
+@pytest.mark.parametrize("backend", ["zmq"])
+async def test_unkeyed_abort_and_request_are_ignored(rig: Rig) -> None:
+    """A peer without the key that reaches the prefill's port (a raw ZMQ socket speaking the wire
+    format) can neither abort a room in flight nor ask for it."""
     lay = layout()
     s = await rig.sender(lay, pool(lay, 8, 1), keyed())
     good = await rig.receiver(lay, pool(lay, 8, None), keyed())
     s.create(21)
     rx = asyncio.create_task(good.receive(21, [s.endpoint], [0, 1]))
     await s.wait_bootstrapped(21)
-    # the attacker speaks the wire format on its own connection, but has no key
-    sock_frames = [wire.encode(wire.Abort(room=21, transfer_id=None, reason="forged")),
-                   wire.encode(wire.Request(transfer_id=1, room=21, dst_rank=0, num_requesters=1,
-                                            dst_page_ids=(0, 1)))]
-    for frames in sock_frames:
-        await s._on_frames(b"attacker", frames)
+    attacker = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.connect(s.endpoint)
+    try:
+        for msg in (wire.Abort(room=21, transfer_id=None, reason="forged"),
+                    wire.Request(transfer_id=1, room=21, dst_rank=0, num_requesters=1,
+                                 dst_page_ids=(0, 1))):
+            await attacker.send_multipart(wire.encode(msg))
+        while s.stats["auth_failures"] < 2:
+            await asyncio.sleep(0.01)
+    finally:
+        attacker.close(linger=0)
     assert s.poll(21) is TransferState.WAITING_FOR_INPUT
-    assert s.stats["auth_failures"] == 2
     await s.send(21, [2, 3], first_token=1, cached_tokens=0)
     assert (await rx).num_pages == 2
 
