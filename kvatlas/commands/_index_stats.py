@@ -56,7 +56,7 @@ async def _sample_lag(client: EtcdClient, layout: KeyLayout, revision: int,
         return lags
 
     async def follow() -> None:
-        async for batch in client.watch_prefix(layout.blocks_prefix(), revision + 1, fragment=True):
+        async for batch in client.watch_prefix(layout.blocks_prefix(), revision + 1):
             now = time.time()
             for ev in batch.events:
                 if not ev.put:
