@@ -176,13 +176,34 @@ async def reserve(ds: DecodeState, prompt_len: int, max_new: int, rec: RoomRecor
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ds.cfg.transfer.waiting_timeout_s
     while True:
-        pages = await ds.engine.call(ds.replica.reserve, prompt_len, max_new)
+        pages = await reserve_once(ds, prompt_len, max_new)
         if pages is not None:
             rec.ranks["pages"] = len(pages)  # type: ignore[arg-type]
             return pages  # type: ignore[return-value]
         if loop.time() > deadline:
             return None
         await asyncio.sleep(0.005)
+
+
+async def reserve_once(ds: DecodeState, prompt_len: int, max_new: int) -> list[int] | None:
+    """One reservation attempt. The engine thread finishes a reserve it has begun whatever
+    happens to this task, so a cancellation (the client hung up) waits for its outcome and
+    gives the pages back: dropped with the task, they would stay taken until a restart."""
+    call = asyncio.ensure_future(ds.engine.call(ds.replica.reserve, prompt_len, max_new))
+    try:
+        return await asyncio.shield(call)  # type: ignore[return-value]
+    except asyncio.CancelledError:
+        await asyncio.shield(give_back_reservation(ds, call))
+        raise
+
+
+async def give_back_reservation(ds: DecodeState, call: asyncio.Future[object]) -> None:
+    try:
+        pages = await call
+    except Exception:  # refused (CapacityError): nothing was taken
+        return
+    if pages:
+        await ds.engine.call(ds.replica.release_reserved, pages)
 
 
 async def release(ds: DecodeState, boot: Bootstrap, pages: list[int], reason: str) -> None:

@@ -7,6 +7,8 @@ themselves, whoever serves their app."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from typing import Any
 
 import aiohttp
@@ -92,6 +94,40 @@ async def test_a_hang_up_while_the_decode_waits_for_kv(patient_pair: Pair) -> No
         doc = pair.ds.rooms.get(room).doc()
         assert doc["state"] == "failed" and "cancelled" in doc["error"]["reason"], doc
         await next_served(s, pair)
+
+
+async def test_a_cancel_as_the_reservation_is_made_gives_its_pages_back(patient_pair: Pair
+                                                                        ) -> None:
+    """The engine thread finishes a reservation whatever happens to the handler that asked for
+    it: a cancellation (the client hung up) landing after the pages were taken but before the
+    handler got them must still see them given back."""
+    pair = patient_pair
+    gate = threading.Event()
+    # hold the engine thread so that the decode's reserve call waits in its queue
+    blocker = asyncio.ensure_future(pair.ds.engine.call(gate.wait))
+    try:
+        async with aiohttp.ClientSession() as s:
+            body = pd_body(IDS, 8, pair.bport)
+            room = body["bootstrap_room"]
+            decode = asyncio.create_task(post(s, pair.d_url, body))
+            await wait_until(lambda: room in pair.ds.rooms.active, "the decode reserving")
+            handler = next(t for t in asyncio.all_tasks()
+                           if t.get_coro().__qualname__ == "decode_item")
+            # No await from here to the cancel: the engine thread reserves while this loop is
+            # held, and the cancellation lands before the answer is delivered to the handler.
+            gate.set()
+            deadline = time.monotonic() + 10
+            while pair.ds.replica.pool.num_free == pair.ds.replica.pool.num_pages:
+                assert time.monotonic() < deadline, "the engine thread never reserved"
+                time.sleep(0.01)
+            handler.cancel()
+            await blocker
+            await hang_up(decode)
+            await wait_until(lambda: room not in pair.ds.rooms.active, "the cancel noticed")
+            await wait_until(lambda: decode_at_rest(pair), "the reservation given back", 10.0)
+            await next_served(s, pair)
+    finally:
+        gate.set()
 
 
 async def test_a_hang_up_while_the_prefill_waits_for_its_decode(patient_pair: Pair) -> None:
