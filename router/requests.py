@@ -378,7 +378,22 @@ def inject(parsed: Parsed, host: str | None, port: int | None,
             return b"".join((head[:-1], b",", tail)), rooms
     body = dict(body)
     body.update(fields)
-    return json.dumps(body, separators=(",", ":")).encode(), rooms
+    return _dumps(body), rooms
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    """``body`` as compact JSON in UTF-8. Not ``json.dumps``' default ASCII: it writes each
+    non-ASCII character as ``\\uXXXX`` (twice the bytes of CJK text, three times those of
+    accented Latin), so a body the router took could exceed the engines' body limit; orjson
+    is also ~10x faster, which matters on the event loop for a large body with a client rid."""
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        pass  # an int over 64 bits, a lone surrogate, depth over 255: valid, orjson won't write
+    try:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:  # a lone surrogate (a "\\udXXX" escape) has no UTF-8 form
+        return json.dumps(body, separators=(",", ":")).encode()
 
 
 _tails: dict[tuple[str | None, int | None], bytes] = {}

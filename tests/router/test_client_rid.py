@@ -125,3 +125,26 @@ def test_client_rid_shapes() -> None:
                         ({"rid": ["a"]}, 2), ({"rid": ["a", 1]}, 2), ({"rid": 5}, None)):
         with pytest.raises(BadRequest, match="^rid: "):
             client_rid(body, batch)
+
+
+async def test_a_rid_costs_the_forwarded_body_no_growth(stubs: Any, make_router: Any) -> None:
+    """With a client rid the body is written again (its rid replaced): in UTF-8, as it came,
+    not with every non-ASCII character escaped (twice the bytes of CJK text), which would push a body
+    the router took past the engines' own body limit. Bodies the fast writer refuses (an int
+    over 64 bits, a lone surrogate escape) still go through, unchanged in meaning."""
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d])
+    text = "\u6f22\u5b57" * 20000  # 120 kB of UTF-8
+    sent = json.dumps({"text": text, "rid": "wide"}, ensure_ascii=False).encode()
+    resp = await client.post("/generate", data=sent,
+                             headers={"content-type": "application/json"})
+    assert resp.status == 200 and (await resp.json())["meta_info"]["id"] == "wide"
+    for stub in (p, d):
+        assert stub.bodies[0]["text"] == text
+        assert int(stub.headers[0]["Content-Length"]) < len(sent) + 200
+    odd = (b'{"text": "x", "rid": "odd", "big": 123456789012345678901234567890, '
+           b'"sampling_params": {"stop": "\\ud800"}}')
+    resp = await client.post("/generate", data=odd, headers={"content-type": "application/json"})
+    assert resp.status == 200 and (await resp.json())["meta_info"]["id"] == "odd"
+    assert d.bodies[1]["big"] == 123456789012345678901234567890
+    assert d.bodies[1]["sampling_params"]["stop"] == "\ud800"
