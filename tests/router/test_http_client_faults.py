@@ -133,11 +133,11 @@ async def test_malformed_answer_is_upstream_closed(worker: Started, pools) -> No
 
 async def test_connect_refused_fails_fast(pools) -> None:
     port = free_port()
-    pool = pools(f"http://127.0.0.1:{port}")
-    t0 = time.monotonic()
+    # Fast: the refusal itself ends the call, not the connect timeout, which is set far
+    # beyond the wait (a call that waited for it would time out here instead).
+    pool = pools(f"http://127.0.0.1:{port}", connect_timeout=120)
     with pytest.raises(UpstreamConnectError, match="cannot connect") as err:
-        await asyncio.wait_for(pool.call("GET", "/", {}, b""), 2)
-    assert time.monotonic() - t0 < 1.0
+        await asyncio.wait_for(pool.call("GET", "/", {}, b""), 30)
     assert err.value.origin == f"http://127.0.0.1:{port}"
 
 
@@ -160,9 +160,11 @@ async def test_connect_timeout(pools) -> None:
         await asyncio.sleep(0.05)
         pool = pools(f"http://127.0.0.1:{port}", connect_timeout=0.2)
         t0 = time.monotonic()
+        # The pool's own timer fires (its message names it), however loaded the box: the
+        # outer wait is only a generous bound. Not early: a load can only make it later.
         with pytest.raises(UpstreamConnectError, match="connect timed out after 0.2 s"):
-            await asyncio.wait_for(pool.call("GET", "/", {}, b""), 3)
-        assert 0.15 <= time.monotonic() - t0 < 2.0
+            await asyncio.wait_for(pool.call("GET", "/", {}, b""), 30)
+        assert time.monotonic() - t0 >= 0.15
     finally:
         for s in fillers:
             s.close()
@@ -177,9 +179,10 @@ async def test_read_timeout(worker: Started, pools) -> None:
     w = await worker(script)
     pool = pools(w.url, read_timeout=0.2)
     t0 = time.monotonic()
+    # As for the connect timeout: the read timer fires (named in the message), not early.
     with pytest.raises(UpstreamTimeout, match="no data for 0.2 s"):
-        await asyncio.wait_for(pool.call("GET", "/", {}, b""), 3)
-    assert 0.15 <= time.monotonic() - t0 < 2.0
+        await asyncio.wait_for(pool.call("GET", "/", {}, b""), 30)
+    assert time.monotonic() - t0 >= 0.15
     await asyncio.wait_for(w.closed[0].wait(), 2)  # the silent connection was dropped
     assert not pool.idle
 
