@@ -26,8 +26,8 @@ def own_etcd() -> Iterator[EtcdCluster]:
 
 
 async def _wait_mirror(etcd: EtcdClient, layout: KeyLayout, iid: str,
-                       want: dict[tuple[int, int, int, int], int], timeout: float) -> float:
-    """Seconds until etcd holds exactly ``want`` (cell -> port) under a live lease, plus a ready
+                       want: dict[tuple[int, int, int, int], int], timeout: float) -> None:
+    """Wait until etcd holds exactly ``want`` (cell -> port) under a live lease, plus a ready
     instance record; fails after ``timeout``."""
     t0 = time.monotonic()
     last: Any = None
@@ -41,7 +41,7 @@ async def _wait_mirror(etcd: EtcdClient, layout: KeyLayout, iid: str,
             if inst is not None and loads(inst.value)["ready"] and got == want and len(leases) == 1:
                 (lease,) = leases
                 if lease and await etcd.lease_ttl(lease) > 0:
-                    return time.monotonic() - t0
+                    return
         except EtcdError as exc:
             last = exc
         await asyncio.sleep(0.1)
@@ -60,7 +60,7 @@ async def test_serves_from_memory_while_etcd_is_down_and_remirrors(
         assert (await client.put("/route", json=rank_body(tp=tp, tp_size=4, port=port))).status == 200
     etcd = EtcdClient(settings)
     try:
-        await _wait_mirror(etcd, layout, "pf", want, timeout=10)
+        await _wait_mirror(etcd, layout, "pf", want, timeout=60)
 
         member = own_etcd.members[0]
         await asyncio.to_thread(member.stop)
@@ -76,7 +76,7 @@ async def test_serves_from_memory_while_etcd_is_down_and_remirrors(
         assert (await client.put("/route", json=rank_body(tp=2, tp_size=4, port=29002))).status == 200
         resp = await client.get("/route", params=route_query(0, 0, 2, 0))
         assert (await resp.json())["rank_port"] == 29002
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # generous: a loaded box notices late
         while mirror.state != "degraded":
             assert time.monotonic() < deadline, f"mirror state stayed {mirror.state}"
             await asyncio.sleep(0.1)
@@ -87,7 +87,7 @@ async def test_serves_from_memory_while_etcd_is_down_and_remirrors(
         await asyncio.to_thread(member.start)
         await asyncio.to_thread(member.wait_ready)
         # No re-registration: the server rewrites its keys by itself.
-        await _wait_mirror(etcd, layout, "pf", want, timeout=15)
+        await _wait_mirror(etcd, layout, "pf", want, timeout=60)
 
         # The lease lost while etcd was away (here: revoked behind the server's back) costs the
         # keys only until the next keepalive, after which a new lease carries all of them again.
@@ -95,7 +95,7 @@ async def test_serves_from_memory_while_etcd_is_down_and_remirrors(
         assert kv is not None
         await etcd.revoke(kv.lease)
         assert await etcd.get(layout.instance("pf")) is None
-        await _wait_mirror(etcd, layout, "pf", want, timeout=config.lease_ttl + 5)
+        await _wait_mirror(etcd, layout, "pf", want, timeout=config.lease_ttl + 20)
         new = await etcd.get(layout.instance("pf"))
         assert new is not None and new.lease != kv.lease
     finally:
@@ -115,7 +115,7 @@ async def test_etcd_unreachable_at_start_then_mirrored_when_it_comes(aiohttp_cli
         assert (await client.get("/route", params=TOPOLOGY_QUERY)).status == 200
         table = await (await client.get("/table")).json()
         assert table["ready"] is True and table["mirror"]["state"] != "synced"
-        deadline = asyncio.get_running_loop().time() + 5
+        deadline = asyncio.get_running_loop().time() + 30
         while client.server.app[STATE].mirror.state != "degraded":  # not stuck at "connecting"
             assert asyncio.get_running_loop().time() < deadline
             await asyncio.sleep(0.1)
@@ -125,10 +125,10 @@ async def test_etcd_unreachable_at_start_then_mirrored_when_it_comes(aiohttp_cli
         await asyncio.to_thread(cluster.start)
         etcd = EtcdClient(settings)
         try:
-            took = await _wait_mirror(etcd, KeyLayout(), "early", want, timeout=15)
+            # a deadline far past the etcd client's reconnect back-off on a loaded box
+            await _wait_mirror(etcd, KeyLayout(), "early", want, timeout=60)
         finally:
             await etcd.close()
-        assert took < 15
         assert await client.server.app[STATE].mirror.wait_synced(5)
     finally:
         cluster.stop()
