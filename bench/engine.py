@@ -12,6 +12,11 @@ Parts:
    shows the cached path skips its work (computed-token counts are printed next to it).
 3. Decode: ``--requests`` sequences decoding ``--decode-len`` tokens each (greedy), batched by the
    scheduler; tokens/s over the decode-only steps.
+4. Stop strings: the text stream's hold-back against the most stop strings a request may give,
+   each ``a^128 b^127 x`` (after ``a`` * 128 the text ends with a 128-character prefix of every
+   one, the worst case of a suffix rescan), as tokens/s against the same stream with no stop
+   string; the ratio shows what stop matching costs per token (issue #11 moved this figure here
+   from a test that timed it).
 The limit: the model's forward called directly (no scheduler, no sampling, no cache bookkeeping)
 on the same shapes: a prefill chunk of ``--max-batch-tokens`` tokens, and ``--requests``
 single-token decodes at the decode phase's mean context (64 + decode_len / 2). For prefill with
@@ -39,7 +44,7 @@ import torch  # noqa: E402
 from engine.config import get_model_config  # noqa: E402
 from engine.model import SeqChunk  # noqa: E402
 from engine.runner import build_scheduler, run_to_completion  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from engine.sampling import MAX_STOP_STRINGS, SamplingParams, TextStream  # noqa: E402
 from engine.scheduler import Request, Scheduler  # noqa: E402
 from engine.tokenizer import BOS_ID  # noqa: E402
 
@@ -86,6 +91,25 @@ def decode(sched: Scheduler, ps: list[list[int]], n_new: int, tag: str) -> dict[
     return {"seconds": total, "decode_seconds": decode_s, "decode_tokens": decode_tokens,
             "cached_tokens": sum(r.cached_tokens for r in reqs),
             "decode_tokens_per_s": decode_tokens / decode_s}
+
+
+def stop_strings(n_tokens: int) -> dict[str, Any]:
+    """Tokens/s through a TextStream with the worst-case stop strings, and with none."""
+    stops = ["a" * 128 + "b" * 127 + chr(0x100 + i) for i in range(MAX_STOP_STRINGS)]
+
+    def push_all(params: SamplingParams) -> float:
+        ts = TextStream(params)
+        t0 = time.perf_counter()
+        for _ in range(n_tokens):
+            _, stopped = ts.push(ord("a"))
+            assert not stopped
+        return time.perf_counter() - t0
+
+    with_stops = min(push_all(SamplingParams(stop=stops, ignore_eos=True)) for _ in range(3))
+    plain = min(push_all(SamplingParams(ignore_eos=True)) for _ in range(3))
+    return {"tokens": n_tokens, "stop_strings": len(stops), "stop_chars": len(stops[0]),
+            "seconds": with_stops, "tokens_per_s": n_tokens / with_stops,
+            "no_stop_tokens_per_s": n_tokens / plain, "ratio": plain / with_stops}
 
 
 def raw_limits(sched: Scheduler, chunk: int, batch: int, ctx: int, reps: int) -> dict[str, float]:
@@ -169,6 +193,11 @@ def main() -> None:
     for name, tps, computed, cached, limit in rows:
         print(f"{name:<26}{tps:>12.0f}{computed:>10}{cached:>9}{limit:>12.0f}{tps / limit:>8.2f}")
     speedup = warm["prompt_tokens_per_s"] / cold["prompt_tokens_per_s"]
+    stops = stop_strings(6000)
+    print(f"{'stop strings, worst case':<26}{stops['tokens_per_s']:>12.0f}{stops['tokens']:>10}"
+          f"{'':>9}{stops['no_stop_tokens_per_s']:>12.0f}{stops['ratio']:>8.2f}"
+          f"   ({stops['stop_strings']} stops of {stops['stop_chars']} chars; the limit column "
+          f"is the stream without stops)")
     print(f"prefix hits: {warm['cached_tokens']} of {warm['prompt_tokens']} prompt tokens served "
           f"from cache, computed {warm['computed_tokens']} instead of {cold['computed_tokens']}; "
           f"prompt throughput x{speedup:.1f}")
@@ -178,7 +207,8 @@ def main() -> None:
               "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
               "prefill_cold": cold, "prefill_warm": warm, "decode_cold": dec_cold,
               "decode_warm": dec_warm, "raw_forward": raw, "warm_prefill_speedup": speedup,
-              "ratios": {name: tps / limit for name, tps, _, _, limit in rows}}
+              "ratios": {name: tps / limit for name, tps, _, _, limit in rows},
+              "stop_strings": stops}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

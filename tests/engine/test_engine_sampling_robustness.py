@@ -1,9 +1,7 @@
 """Sampler and stop-string robustness: subnormal temperatures are greedy, overflowing
 distributions fall back to argmax, one request's sampler failure fails only that request, and
-stop strings are capped and matched in linear time."""
+stop strings are capped and held back exactly (their speed: bench/engine.py)."""
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -123,20 +121,16 @@ def test_stop_strings_match_and_hold_back(text: str, stop: list[str], want: str)
     assert stopped == any(s in text for s in stop)
 
 
-def test_hold_back_is_linear_in_the_stop_length() -> None:
+def test_hold_back_releases_all_but_a_possible_stop_prefix() -> None:
     # every stop string is a^128 b^127 x: after "a" * 128 the text ends with a 128-char prefix of
-    # each, and the old suffix rescan compared ~127 prefixes of ~128 chars per stop per token
-    # (~0.9 s for 2000 tokens here); the KMP automaton advances in O(1) amortized (~11 ms)
+    # each, so exactly that much is held back (the speed of this worst case is timed in
+    # bench/engine.py, not here)
     stops = ["a" * 128 + "b" * 127 + chr(0x100 + i) for i in range(MAX_STOP_STRINGS)]
     ts = TextStream(SamplingParams(stop=stops, ignore_eos=True))
-    n = 6000
-    t0 = time.perf_counter()
+    n = 600
     emitted = ""
     for _ in range(n):
         delta, stopped = ts.push(ord("a"))
         assert not stopped
         emitted += delta
-    elapsed = time.perf_counter() - t0
-    # everything but the possible stop prefix (128 chars) was released
     assert emitted == "a" * (n - 128)
-    assert elapsed < 1.0, f"{n} tokens against {len(stops)} stop strings took {elapsed:.2f} s"
