@@ -143,7 +143,14 @@ class Dispatcher:
             functools.partial(self._prefill_done, prefill, t0, decode_call))
         try:
             resp = await decode_call
-            first = await resp.read_chunk() if stream and resp.status == 200 else resp.take()
+            if not stream:
+                first = resp.take()
+            elif resp.status == 200:
+                first = await resp.read_chunk()
+            else:
+                # A streamed call resolves at the head, and an error is answered (or retried)
+                # whole, not streamed: its body may still be on its way.
+                first = await resp.read()
         except asyncio.CancelledError:
             err = _prefill_error(prefill_call)
             task = asyncio.current_task()
@@ -261,6 +268,7 @@ class Dispatcher:
                     _record(self.state, decode, None, "stream")
             self.state.metrics.latency["decode"].observe(time.perf_counter() - t0)
         return out
+
 
 def _prefill_error(call: asyncio.Future[UpstreamResponse]) -> str | None:
     """Why a finished prefill call failed (None while running or when it succeeded)."""

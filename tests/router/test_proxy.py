@@ -188,6 +188,69 @@ async def test_stream_error_before_first_byte_is_retried(stubs: Any, make_router
     assert len(d.bodies) == 2 and d.rooms[0] != d.rooms[1]
 
 
+class _SplitDecode:
+    """A decode that refuses every /generate with ``status``, its head and its body sent in
+    two writes 0.1 s apart, as a server that flushes its head first may (the router reads them
+    in two reads). GETs (the health checks) get a 200 or 404."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        self.status, self.body = status, body
+        self.refused = 0
+        self.server: asyncio.AbstractServer | None = None
+        self.url = ""
+
+    async def start(self) -> "_SplitDecode":
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:] if line)
+                length = {k.strip().lower(): v for k, v in fields.items()}.get(b"content-length")
+                await reader.readexactly(int(length or 0))
+                if head.startswith(b"GET"):
+                    code = 200 if head.startswith(b"GET /health ") else 404
+                    writer.write(b"HTTP/1.1 %d X\r\ncontent-length: 2\r\n\r\n{}" % code)
+                    continue
+                self.refused += 1
+                writer.write(b"HTTP/1.1 %d Refused\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n" % (self.status, len(self.body)))
+                await writer.drain()
+                await asyncio.sleep(0.1)  # the router has read the head alone by now
+                writer.write(self.body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+@pytest.mark.parametrize("status", [400, 503])
+async def test_a_streamed_requests_error_reaches_the_client_whole(stubs: Any, make_router: Any,
+                                                                  status: int) -> None:
+    """A streamed call resolves at the answer's head; an error answer is not streamed to the
+    client but returned (or retried, then returned) whole, so its body must be read to its end,
+    not taken as far as it had arrived with the head."""
+    (p,) = await stubs("prefill")
+    error = json.dumps({"error": "the decode refuses: " + "why " * 200}).encode()
+    d = await _SplitDecode(status, error).start()
+    try:
+        client = await make_router([p], [d], retry_max_attempts=2)
+        resp = await client.post("/generate", json={"text": "x", "stream": True})
+        assert resp.status == status
+        assert await resp.read() == error
+        assert d.refused == (2 if status == 503 else 1)
+    finally:
+        await d.stop()
+
+
 async def test_503_when_nothing_can_be_selected(stubs: Any, make_router: Any) -> None:
     (p,) = await stubs("prefill")
     client = await make_router([p], [])
