@@ -144,7 +144,8 @@ async def test_a_rid_costs_the_forwarded_body_no_growth(stubs: Any, make_router:
         assert int(stub.headers[0]["Content-Length"]) < len(sent) + 200
     odd = (b'{"text": "x", "rid": "odd", "big": 123456789012345678901234567890, '
            b'"sampling_params": {"stop": "\\ud800"}}')
-    resp = await client.post("/generate", data=odd, headers={"content-type": "application/json"})
+    resp = await client.post("/generate", data=odd,
+                             headers={"content-type": "application/json"})
     assert resp.status == 200 and (await resp.json())["meta_info"]["id"] == "odd"
     assert d.bodies[1]["big"] == 123456789012345678901234567890
     assert d.bodies[1]["sampling_params"]["stop"] == "\ud800"
