@@ -14,7 +14,10 @@ Construction, per message:
   one-time Poly1305 key is ``BLAKE2b-256(header bytes, key=K_dir)``, a PRF of the whole header, so
   every header field (kind, room, transfer id, page range, layer/head box, checksum, IPC handles) is
   bound to the tag and no two messages share a one-time key;
-- the tag, ``Poly1305(one-time key, buffer frames in order)``, travels as the last frame.
+- the tag, ``Poly1305(one-time key, b_1 || ... || b_n || le64(len b_1) ... le64(len b_n) ||
+  le64(n))`` over the buffer frames in order, travels as the last frame. The trailer of lengths
+  and count binds where each frame ends: without it, bytes could move from one frame to the next
+  (or an empty frame be added) and the concatenation, hence the tag, would not change.
 
 Poly1305 (OpenSSL, through ``cryptography``) runs at several GB/s on one core; a keyed BLAKE2b or
 HMAC-SHA256 over the pages would cost more than the rest of the data plane together. The tag is
@@ -26,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import struct
 from collections.abc import Iterable
 from typing import Any
 
@@ -57,8 +61,11 @@ class TransferAuth:
     def tag(self, direction: str, header: bytes, buffers: Iterable[Any]) -> bytes:
         one_time = hashlib.blake2b(header, digest_size=32, key=self._keys[direction]).digest()
         mac = Poly1305(one_time)
+        lengths = []
         for b in buffers:
-            mac.update(b)
+            mac.update(b)  # buffer protocol: received frames and tensor views, never copied
+            lengths.append(memoryview(b).nbytes)
+        mac.update(struct.pack(f"<{len(lengths) + 1}Q", *lengths, len(lengths)))
         return mac.finalize()
 
     def verify(self, direction: str, header: bytes, buffers: Iterable[Any], tag: Any) -> bool:

@@ -15,7 +15,7 @@ written), ``abort`` either way, ``heartbeat`` either way (``reply`` true on the 
 With a transfer key (``transfer.auth``), the header also carries ``auth`` and a nonce ``n``, and a
 16-byte MAC over the header and the buffers follows as the last frame; it is checked before the
 message is decoded any further. v2: the MAC, and the decode's pool size and chunk limit in
-``register``.
+``register``. v3: the MAC also covers each buffer frame's length and their count.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from transfer import auth as _auth
 from transfer.auth import TransferAuth
 from transfer.layout import KVLayout
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 CHECKSUM_XXH3 = "xxh3_64"
 #: Abort code: the prefill rank does not know this connection (it restarted); register again.
 ABORT_UNREGISTERED = "unregistered"

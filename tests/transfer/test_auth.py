@@ -151,3 +151,18 @@ def test_start_up_warns_without_a_key(caplog: pytest.LogCaptureFixture) -> None:
     warned = [r.getMessage() for r in caplog.records if "without transfer authentication" in
               r.getMessage()]
     assert len(warned) == 2 and all("KVATLAS_TRANSFER_KEY" in m for m in warned)
+
+
+def test_mac_binds_where_each_frame_ends() -> None:
+    """Moving bytes from one frame to the next keeps the concatenation (and so a MAC over it
+    alone) unchanged; the MAC must cover each frame's length and their count."""
+    a = TransferAuth(KEY)
+    k, v = b"\x01" * 64, b"\x02" * 64
+    frames = wire.encode(wire.Pages(**{**pages_msg(5).__dict__, "buffers": (k, v)}), a, P2D)
+    head, tag = frames[0], frames[-1]
+    for resplit in ([k + v[:2], v[2:]], [k[:-2], k[-2:] + v], [k, v, b""], [k + v]):
+        assert b"".join(resplit) == k + v
+        assert not a.verify(P2D, head, resplit, tag)
+        with pytest.raises(wire.AuthError, match="failed its MAC check"):
+            wire.decode([head, *resplit, tag], a, P2D)
+    assert a.verify(P2D, head, [k, v], tag)
