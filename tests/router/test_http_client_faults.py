@@ -191,7 +191,9 @@ async def test_read_timeout_counts_silence_not_total_time(worker: Started, pools
     async def script(w: Worker, n: int, reader: Reader, writer: Writer) -> None:
         await w.read_request(n, reader)
         writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
-        for _ in range(5):  # 0.3 s in all (over the timeout), 0.06 s apart (well under it)
+        # 0.72 s in all (over the 0.6 s timeout), 0.06 s apart: a stalled loop or a loaded
+        # box may stretch a gap tenfold before it looks like silence.
+        for _ in range(12):
             await asyncio.sleep(0.06)
             writer.write(b"1\r\nx\r\n")
             await writer.drain()
@@ -199,15 +201,15 @@ async def test_read_timeout_counts_silence_not_total_time(worker: Started, pools
         await w.wait_eof(reader)
 
     w = await worker(script)
-    pool = pools(w.url, read_timeout=0.25)
-    resp = await asyncio.wait_for(pool.call("GET", "/", {}, b""), 3)
-    assert resp.take() == b"xxxxx"
+    pool = pools(w.url, read_timeout=0.6)
+    resp = await asyncio.wait_for(pool.call("GET", "/", {}, b""), 30)
+    assert resp.take() == b"x" * 12
 
     # Streamed: the same timeout applies between chunks.
     w2 = await worker(script)
-    pool2 = pools(w2.url, read_timeout=0.25)
-    resp = await asyncio.wait_for(pool2.call("GET", "/", {}, b"", stream=True), 3)
-    assert await asyncio.wait_for(resp.read(), 3) == b"xxxxx"
+    pool2 = pools(w2.url, read_timeout=0.6)
+    resp = await asyncio.wait_for(pool2.call("GET", "/", {}, b"", stream=True), 30)
+    assert await asyncio.wait_for(resp.read(), 30) == b"x" * 12
 
 
 async def test_stream_timeout_mid_body(worker: Started, pools) -> None:
