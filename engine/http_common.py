@@ -95,7 +95,7 @@ async def read_body(request: web.Request) -> dict[str, Any]:
 
 async def until_disconnected(request: web.Request, aw: Awaitable[Any]) -> Any:
     """Await ``aw`` unless the client goes away first: then cancel it (which aborts the engine
-    requests it runs) and raise ConnectionResetError.
+    requests it runs) and raise CancelledError, as aiohttp's ``handler_cancellation`` would.
 
     aiohttp cancels a handler on disconnect only when its runner was made with
     ``handler_cancellation=True`` (off by default, e.g. in ``web.run_app``), and a non-streaming
@@ -110,7 +110,10 @@ async def until_disconnected(request: web.Request, aw: Awaitable[Any]) -> Any:
                 return task.result()
             transport = request.transport
             if transport is None or transport.is_closing():
-                raise ConnectionResetError(f"client of {request.path} disconnected")
+                # A cancellation, not an error: aiohttp takes it for the premature disconnect
+                # it is (logged at debug); any other exception is logged with its traceback
+                # and a 500 written to the closed socket, once per hung-up request.
+                raise asyncio.CancelledError(f"client of {request.path} disconnected")
     finally:
         if not task.done():
             task.cancel()
