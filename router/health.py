@@ -65,7 +65,8 @@ class HealthChecker:
 
     async def ask_info(self, worker: Worker) -> None:
         """Learn ``worker``'s limits from its /server_info; asked again next round when
-        it did not answer, never again when it answered without one (not every engine does)."""
+        it did not answer (a 5xx is no answer: a worker still starting, a proxy before it),
+        never again when it answered without one (not every engine does: a 404)."""
         try:
             resp = await asyncio.wait_for(self.upstreams.of(worker).request(
                 "GET", "/server_info", {}, b""), self.config.health_timeout)
@@ -73,6 +74,9 @@ class HealthChecker:
             resp.release()
         except (UpstreamError, asyncio.TimeoutError) as exc:
             logger.debug("/server_info of %s: %r", worker.url, exc)
+            return
+        if resp.status >= 500:
+            logger.debug("/server_info of %s: status %d", worker.url, resp.status)
             return
         worker.info_asked = True
         try:

@@ -28,6 +28,8 @@ class StubWorker:
         self.health_status = 200
         self.server_info: dict[str, Any] | None = None
         """What GET /server_info answers (404 when None)."""
+        self.server_info_statuses: list[int] = []
+        """Scripted error statuses of GET /server_info, consumed one per call."""
         self.stream_chunks = 3
         self.release_stream: asyncio.Event | None = None
         """When set, a stream pauses after its first chunk until this event is set."""
@@ -71,6 +73,9 @@ class StubWorker:
         return web.json_response({"ok": self.health_status == 200}, status=self.health_status)
 
     async def _server_info(self, request: web.Request) -> web.Response:
+        if self.server_info_statuses:
+            status = self.server_info_statuses.pop(0)
+            return web.json_response({"error": f"{self.name} scripted {status}"}, status=status)
         if self.server_info is None:
             return web.json_response({"error": "not found"}, status=404)
         return web.json_response(self.server_info)

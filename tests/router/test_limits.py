@@ -94,6 +94,18 @@ async def test_limit_learned_from_server_info(stubs: Any, make_router: Any) -> N
     assert resp.status == 400 and "at most 10" in (await resp.json())["error"]
 
 
+async def test_a_server_info_that_fails_is_asked_again(stubs: Any, make_router: Any) -> None:
+    """A 5xx is no answer (a worker still starting, a proxy in front of it): the health checks
+    ask again, and learn the limit once it answers. A 404 is an answer: no limit stated."""
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    p.server_info = d.server_info = {"context_length": 32}
+    p.server_info_statuses = [503, 500]
+    client = await make_router([p], [d], health_interval=0.02)
+    await limits_known(client, 31)
+    assert not p.server_info_statuses
+    assert (await client.post("/generate", json={"text": "a" * 31})).status == 400
+
+
 async def test_limit_learned_from_the_etcd_record(start_router: Any, etcd_settings: Any,
                                                   key_prefix: str, stubs: Any,
                                                   register: Any) -> None:
