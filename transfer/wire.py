@@ -208,22 +208,24 @@ def decode(frames: Sequence[Any], auth: TransferAuth | None = None,
            direction: str = _auth.P2D) -> Message:
     """Parse frames (bytes, memoryviews or anything with the buffer protocol) into a message.
 
-    With ``auth``, the MAC of ``direction`` is checked right after the header parsed and before
-    anything else; without, an authenticated message is refused too (the two sides' keys differ).
-    Buffers of a ``pages`` message are kept as the objects given, so they stay zero-copy."""
+    With ``auth``, the MAC of ``direction`` is checked on the raw frames before the header is
+    parsed: the MAC needs no parsing (the one-time key is a PRF of the header's bytes), so a peer
+    without the key cannot make this side build objects from its header (a msgpack array of one-byte
+    ints costs 8 bytes of tuple per byte of frame). Without ``auth``, an authenticated message is
+    refused too (the two sides' keys differ). Buffers of a ``pages`` message are kept as the
+    objects given, so they stay zero-copy."""
     if not frames:
         raise WireError("empty message")
-    try:
-        head = msgpack.unpackb(frames[0], raw=False, use_list=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types
-        raise WireError(f"header is not valid msgpack: {e}") from None
-    if not isinstance(head, dict):
-        raise WireError(f"header must be a map, got {type(head).__name__}")
-    version = head.get("v")
-    if version != WIRE_VERSION:
-        raise WireError(f"wire version mismatch: this side speaks v{WIRE_VERSION}, the message is "
-                        f"v{version}; run the same kvatlas version on prefill and decode")
-    frames = _check_auth(head, frames, auth, direction)
+    if auth is not None:
+        frames = _check_mac(frames, auth, direction)
+    head = _parse_header(frames[0])
+    algo = head.pop("auth", None)
+    if auth is None and algo is not None:
+        raise AuthError(f"{head.get('kind')} message is authenticated ({algo}) but this side has no "
+                        "KV transfer key; set the same KVATLAS_TRANSFER_KEY on every prefill and "
+                        "decode", head)
+    if auth is not None and algo != _auth.ALGO:  # verified, so a key holder sent it: a bug
+        raise WireError(f"{head.get('kind')} message verified but names MAC {algo!r}")
     cls = KINDS.get(head.get("kind"))  # type: ignore[arg-type]
     if cls is None:
         raise WireError(f"unknown message kind {head.get('kind')!r}; expected one of {sorted(KINDS)}")
@@ -255,28 +257,47 @@ def decode(frames: Sequence[Any], auth: TransferAuth | None = None,
         raise WireError(f"bad {cls.KIND} message: {e}") from None
 
 
-def _check_auth(head: dict[str, Any], frames: Sequence[Any], auth: TransferAuth | None,
-                direction: str) -> Sequence[Any]:
-    """The frames without the MAC, once it verified (or when neither side uses a key)."""
-    kind, algo = head.get("kind"), head.pop("auth", None)
-    if auth is None:
-        if algo is not None:
-            raise AuthError(f"{kind} message is authenticated ({algo}) but this side has no KV "
-                            "transfer key; set the same KVATLAS_TRANSFER_KEY on every prefill and "
-                            "decode", head)
-        return frames
-    if algo is None:
+def _parse_header(frame: Any) -> dict[str, Any]:
+    try:
+        head = msgpack.unpackb(frame, raw=False, use_list=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise WireError(f"header is not valid msgpack: {e}") from None
+    if not isinstance(head, dict):
+        raise WireError(f"header must be a map, got {type(head).__name__}")
+    version = head.get("v")
+    if version != WIRE_VERSION:
+        raise WireError(f"wire version mismatch: this side speaks v{WIRE_VERSION}, the message is "
+                        f"v{version}; run the same kvatlas version on prefill and decode")
+    return head
+
+
+#: A header that failed its MAC is parsed, to name the failure, only up to this size (a legitimate
+#: pages header without IPC handles is well under 1 KiB, a registration a few hundred bytes).
+DIAGNOSE_HEADER_BYTES = 16 << 10
+
+
+def _check_mac(frames: Sequence[Any], auth: TransferAuth, direction: str) -> Sequence[Any]:
+    """The frames without the MAC, once it verified; else the reason, as precise as the
+    (unauthenticated, so only parsed when small) header allows."""
+    ok = (len(frames) >= 2 and memoryview(frames[-1]).nbytes == _auth.TAG_BYTES
+          and auth.verify(direction, frames[0], frames[1:-1], frames[-1]))
+    if ok:
+        return frames[:-1]
+    head: dict[str, Any] = {}
+    if memoryview(frames[0]).nbytes <= DIAGNOSE_HEADER_BYTES:
+        head = _parse_header(frames[0])  # a wrong version or no msgpack says so, as unkeyed
+    kind, algo = head.get("kind"), head.get("auth")
+    if head and algo is None:
         raise AuthError(f"{kind} message is not authenticated, but this side requires the KV "
                         "transfer key; set the same KVATLAS_TRANSFER_KEY on every prefill and "
                         "decode", head)
-    if algo != _auth.ALGO or len(frames) < 2 or len(frames[-1]) != _auth.TAG_BYTES:
+    if head and (algo != _auth.ALGO or len(frames) < 2
+                 or memoryview(frames[-1]).nbytes != _auth.TAG_BYTES):
         raise AuthError(f"{kind} message has a bad MAC ({algo!r}, {len(frames) - 1} frames after "
                         "the header); run the same kvatlas version on prefill and decode", head)
-    if not auth.verify(direction, frames[0], frames[1:-1], frames[-1]):
-        raise AuthError(f"{kind} message failed its MAC check: it was not sent with this side's "
-                        "KV transfer key (a different KVATLAS_TRANSFER_KEY, or a forged or altered "
-                        "message)", head)
-    return frames[:-1]
+    raise AuthError(f"{kind or 'a'} message failed its MAC check: it was not sent with this side's "
+                    "KV transfer key (a different KVATLAS_TRANSFER_KEY, or a forged or altered "
+                    "message)", head)
 
 
 def _unpack(kwargs: dict[str, Any], frames: Sequence[Any]) -> tuple[memoryview, ...]:

@@ -166,3 +166,26 @@ def test_mac_binds_where_each_frame_ends() -> None:
         with pytest.raises(wire.AuthError, match="failed its MAC check"):
             wire.decode([head, *resplit, tag], a, P2D)
     assert a.verify(P2D, head, [k, v], tag)
+
+
+def test_a_keyless_peer_cannot_make_the_keyed_side_build_its_header() -> None:
+    """The MAC is checked on the raw frames, before msgpack builds anything: a 2 MB header of
+    one-byte ints would otherwise become a 2M-entry tuple (16 MB) before being refused."""
+    import tracemalloc
+
+    n = 2_000_000
+    bomb = msgpack.packb({"v": wire.WIRE_VERSION, "kind": "request", "auth": "poly1305",
+                          "n": b"\x00" * 16, "dst_page_ids": [0] * n})
+    assert len(bomb) < n + 100
+    frames = [bomb, b"\x00" * 16]
+    tracemalloc.start()
+    try:
+        with pytest.raises(wire.AuthError, match="failed its MAC check"):
+            wire.decode(frames, TransferAuth(KEY), D2P)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"refusing a forged message allocated {peak} bytes"
+    # small forged headers are still parsed to name the failure (and a version mismatch)
+    with pytest.raises(wire.WireError, match="v7"):
+        wire.decode([msgpack.packb({"v": 7, "kind": "ack"}), b"\x00" * 16], TransferAuth(KEY), D2P)
