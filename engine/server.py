@@ -106,6 +106,14 @@ async def health_generate(request: web.Request) -> web.Response:
     return web.Response(text="")
 
 
+def max_prompt_tokens(st: EngineState) -> int:
+    """Longest prompt this worker can ever serve: the model's positions, and its KV pool (a
+    prompt over the pool is a 503 here, which a router would take for a failing worker, so it
+    must learn to refuse such a prompt itself)."""
+    pool = st.engine.scheduler.pool
+    return min(st.model.max_prompt_tokens, pool.num_pages * pool.page_size)
+
+
 def server_info(st: EngineState) -> dict[str, Any]:
     cfg, m, sched = st.config, st.model, st.engine.scheduler
     return {
@@ -114,8 +122,8 @@ def server_info(st: EngineState) -> dict[str, Any]:
         "tp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": cfg.page_size,
         "context_length": m.max_positions,
         # the limits a router must not exceed when it forwards (a longer prompt or a bigger
-        # body is refused here: 400 and 413)
-        "max_prompt_tokens": m.max_prompt_tokens, "max_body_bytes": cfg.max_request_bytes,
+        # body is refused here: 400, or 503 past the pool, and 413)
+        "max_prompt_tokens": max_prompt_tokens(st), "max_body_bytes": cfg.max_request_bytes,
         "max_total_num_tokens": sched.pool.num_pages * cfg.page_size,
         "max_running_requests": cfg.max_running, "chunked_prefill_size": cfg.max_batch_tokens,
         "disable_radix_cache": not cfg.enable_prefix_cache,
@@ -147,7 +155,7 @@ async def get_model_info(request: web.Request) -> web.Response:
         "served_model_name": st.config.model_name, "preferred_sampling_params": None,
         "weight_version": f"seed-{st.model.seed}", "has_image_understanding": False,
         "has_audio_understanding": False, "max_context_length": st.model.max_positions,
-        "max_prompt_tokens": st.model.max_prompt_tokens,
+        "max_prompt_tokens": max_prompt_tokens(st),
         "max_body_bytes": st.config.max_request_bytes,
     })
 

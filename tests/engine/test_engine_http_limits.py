@@ -185,3 +185,16 @@ async def test_near_zero_temperature_beside_another_request(aiohttp_client: Any)
     greedy_odd = {**odd, "sampling_params": {**odd["sampling_params"], "temperature": 0}}
     ref = await (await c.post("/generate", json=greedy_odd)).json()
     assert (await b.json())["output_ids"] == ref["output_ids"]
+
+
+async def test_max_prompt_tokens_counts_the_kv_pool(aiohttp_client: Any) -> None:
+    """A pool smaller than the model's positions bounds the prompt /server_info states: a
+    longer one is a 503 here, which a router must refuse itself, not take for a failure."""
+    c = await client_for(aiohttp_client, num_pages=8)  # 8 pages of 16 tokens: 128 < 2047
+    for path in ("/server_info", "/model_info"):
+        assert (await (await c.get(path)).json())["max_prompt_tokens"] == 128
+    sp = {"max_new_tokens": 1, "temperature": 0}
+    r = await c.post("/generate", json={"input_ids": [1] * 128, "sampling_params": sp})
+    assert r.status == 200, await r.text()
+    r = await c.post("/generate", json={"input_ids": [1] * 129, "sampling_params": sp})
+    assert r.status == 503, await r.text()
