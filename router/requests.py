@@ -54,6 +54,8 @@ class Parsed:
     hashes: tuple[int, list[int]] | None = None
     """(seed, block hashes) of the first prompt, when a large body's were computed in the
     parser's thread (``RouteContext.pre_hashed``)."""
+    orjson_parsed: bool = False
+    """orjson parsed ``body``, so orjson can write it again as it was (``_dumps``)."""
 
 
 def _no_constants(name: str) -> Any:
@@ -82,6 +84,12 @@ _WIDE_BOMS = (b"\x00\x00\xfe\xff", b"\xff\xfe", b"\xfe\xff")  # UTF-32-BE, UTF-1
 def load_json(raw: bytes) -> dict[str, Any]:
     """The JSON object in ``raw``; BadRequest for anything else (empty, not UTF-8, not JSON,
     NaN/Infinity, nested deeper than MAX_DEPTH, not an object)."""
+    return _load_json(raw)[0]
+
+
+def _load_json(raw: bytes) -> tuple[dict[str, Any], bool]:
+    """``load_json``, and whether orjson parsed it: then orjson writes it back as it was
+    (there is no int over 64 bits, no float a huge literal made infinite, no lone surrogate)."""
     if not raw:
         raise BadRequest("body", "is empty; send a JSON object")
     body: Any = None
@@ -93,14 +101,15 @@ def load_json(raw: bytes) -> dict[str, Any]:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
             pass  # the standard parser decides, with its messages
-    if body is None:
+    fast = body is not None
+    if not fast:
         body = _load_slow(raw)
     if not isinstance(body, dict):
         raise BadRequest("body", f"must be a JSON object, got {type(body).__name__}")
     # Depth n needs n opening brackets: a cheap count spares the walk for nearly every body.
     if len(raw) > 2 * MAX_DEPTH and classes.count(b"[") > MAX_DEPTH:
         _check_depth(body)
-    return body
+    return body, fast
 
 
 def _load_slow(raw: bytes) -> Any:
@@ -319,11 +328,12 @@ def parse_request(kind: str, raw: bytes, max_tokens: int, limits: WorkerLimits |
     if limits is not None and limits.body is not None and len(raw) > limits.body.value:
         raise BadRequest("body", f"has {len(raw)} bytes; at most {limits.body.value} are taken "
                                  f"({limits.body.source})", 413)
-    body = load_json(raw)
+    body, fast = _load_json(raw)
     model = body.get("model")
     limit = limits.prompt(model if model.__class__ is str else None) if limits else None
     parsed = PARSERS[kind](body, max_tokens, limit)
     parsed.raw = raw
+    parsed.orjson_parsed = fast
     if block_size is not None:
         parsed.hashes = prompt_hashes(parsed.prompts[0], block_size)
     return parsed
@@ -378,18 +388,20 @@ def inject(parsed: Parsed, host: str | None, port: int | None,
             return b"".join((head[:-1], b",", tail)), rooms
     body = dict(body)
     body.update(fields)
-    return _dumps(body), rooms
+    return _dumps(body, parsed.orjson_parsed), rooms
 
 
-def _dumps(body: dict[str, Any]) -> bytes:
+def _dumps(body: dict[str, Any], orjson_parsed: bool) -> bytes:
     """``body`` as compact JSON in UTF-8. Not ``json.dumps``' default ASCII: it writes each
     non-ASCII character as ``\\uXXXX`` (twice the bytes of CJK text, three times those of
     accented Latin), so a body the router took could exceed the engines' body limit; orjson
-    is also ~10x faster, which matters on the event loop for a large body with a client rid."""
-    try:
-        return orjson.dumps(body)
-    except orjson.JSONEncodeError:
-        pass  # an int over 64 bits, a lone surrogate, depth over 255: valid, orjson won't write
+    is also ~10x faster, which matters on the event loop for a large body with a client rid.
+    But only for what orjson parsed: it writes an infinity (1e400 in the body) as null."""
+    if orjson_parsed:
+        try:
+            return orjson.dumps(body)
+        except orjson.JSONEncodeError:
+            pass  # depth over 255 (orjson reads 1024 levels, writes 255)
     try:
         return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
     except UnicodeEncodeError:  # a lone surrogate (a "\\udXXX" escape) has no UTF-8 form

@@ -149,3 +149,8 @@ async def test_a_rid_costs_the_forwarded_body_no_growth(stubs: Any, make_router:
     assert resp.status == 200 and (await resp.json())["meta_info"]["id"] == "odd"
     assert d.bodies[1]["big"] == 123456789012345678901234567890
     assert d.bodies[1]["sampling_params"]["stop"] == "\ud800"
+    # 1e400 reaches the worker as its own parser reads it (inf), not as orjson writes an
+    # infinity: null, which would pass for "unset".
+    resp = await client.post("/generate", data=b'{"text": "x", "rid": "inf", "top_k": 1e400}',
+                             headers={"content-type": "application/json"})
+    assert resp.status == 200 and d.bodies[2]["top_k"] == float("inf")
