@@ -129,9 +129,9 @@ def test_client_rid_shapes() -> None:
 
 async def test_a_rid_costs_the_forwarded_body_no_growth(stubs: Any, make_router: Any) -> None:
     """With a client rid the body is written again (its rid replaced): in UTF-8, as it came,
-    not with every non-ASCII character escaped (twice the bytes of CJK text), which would push a body
-    the router took past the engines' own body limit. Bodies the fast writer refuses (an int
-    over 64 bits, a lone surrogate escape) still go through, unchanged in meaning."""
+    not with every non-ASCII character escaped (twice the bytes of CJK text), which would push
+    a body the router took past the engines' own body limit. Bodies orjson does not parse (an
+    int over 64 bits, a lone surrogate escape, 1e400) still go through, unchanged in meaning."""
     (p,), (d,) = await stubs("prefill"), await stubs("decode")
     client = await make_router([p], [d])
     text = "\u6f22\u5b57" * 20000  # 120 kB of UTF-8
