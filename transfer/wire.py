@@ -39,16 +39,19 @@ ABORT_UNREGISTERED = "unregistered"
 
 
 class WireError(ValueError):
-    """A message that cannot be decoded: wrong version, unknown kind, missing or bad field."""
+    """A message that cannot be decoded: wrong version, unknown kind, missing or bad field.
+
+    ``kind`` and ``transfer_id`` are what the header claims, where it parsed: only to name the
+    failure and to fail the transfer it names when it came from that transfer's own peer."""
+
+    def __init__(self, message: str, head: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        head = head or {}
+        self.kind, self.transfer_id = head.get("kind"), head.get("transfer_id")
 
 
 class AuthError(WireError):
     """A message whose MAC is missing, unexpected or wrong; ``kind`` is what it claimed to be."""
-
-    def __init__(self, message: str, head: dict[str, Any]) -> None:
-        super().__init__(message)
-        #: What the (unauthenticated) header claims: only to name and route the failure.
-        self.kind, self.transfer_id = head.get("kind"), head.get("transfer_id")
 
 
 #: Room for everything in a message besides its page bytes: header fields, a chunk's CUDA IPC
@@ -225,7 +228,15 @@ def decode(frames: Sequence[Any], auth: TransferAuth | None = None,
                         "KV transfer key; set the same KVATLAS_TRANSFER_KEY on every prefill and "
                         "decode", head)
     if auth is not None and algo != _auth.ALGO:  # verified, so a key holder sent it: a bug
-        raise WireError(f"{head.get('kind')} message verified but names MAC {algo!r}")
+        raise WireError(f"{head.get('kind')} message verified but names MAC {algo!r}", head)
+    try:
+        return _build(head, frames)
+    except WireError as e:
+        e.kind, e.transfer_id = head.get("kind"), head.get("transfer_id")
+        raise
+
+
+def _build(head: dict[str, Any], frames: Sequence[Any]) -> Message:
     cls = KINDS.get(head.get("kind"))  # type: ignore[arg-type]
     if cls is None:
         raise WireError(f"unknown message kind {head.get('kind')!r}; expected one of {sorted(KINDS)}")
@@ -319,10 +330,24 @@ def pack(buffers: Sequence[Any]) -> bytes:
     return b"".join(buffers)
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _check_pages(msg: Pages) -> None:
+    # Types first: a string where an int belongs would otherwise raise TypeError deep in the
+    # receiver, outside its error handling, and leave the room to its timeout.
+    bad = [n for n in ("transfer_id", "room", "page_start", "page_count", "checksum")
+           if not _is_int(getattr(msg, n))]
+    bad += [n for n in ("dtype", "checksum_algo", "payload") if not isinstance(getattr(msg, n), str)]
+    if not (isinstance(msg.shape, Sequence) and all(_is_int(x) for x in msg.shape)):
+        bad.append("shape")
+    if bad:
+        raise WireError(f"pages message has fields of the wrong type: {', '.join(bad)}")
     for name in ("layers", "heads"):
         r = getattr(msg, name)
-        if len(r) != 2 or not all(isinstance(x, int) for x in r) or r[0] >= r[1]:
+        if not isinstance(r, Sequence) or len(r) != 2 or not all(_is_int(x) for x in r) \
+                or r[0] >= r[1]:
             raise WireError(f"pages message has a bad {name} range {r!r}")
     if msg.payload == "bytes" and len(msg.buffers) != msg.num_buffers:
         raise WireError(f"pages message for layers {tuple(msg.layers)} needs {msg.num_buffers} "

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 from transfer_helpers import Rig, fast_config, layout, pages_of, pool
 
-from transfer import TransferError, TransferState
+from transfer import TransferError, TransferState, wire
 
 pytestmark = pytest.mark.timeout(30)
 KEY = "chunk-tests-transfer-key-0123456789"
@@ -106,3 +106,28 @@ async def test_later_chunk_of_one_of_two_prefill_ranks(rig: Rig, fault: str) -> 
     assert err.peer == bad.endpoint
     assert ("checksum mismatch in chunk 1" if fault == "corrupt"
             else "bootstrap_room mismatch: expected 70, got 71 in chunk 1") in str(err)
+
+
+@pytest.mark.parametrize("key", [None, KEY])
+async def test_an_undecodable_chunk_fails_its_room_at_once(rig: Rig, key: str | None) -> None:
+    """A chunk from the room's own prefill rank with a field of the wrong type (here a string page
+    start, which used to raise TypeError outside the receiver's error handling) fails the room
+    and releases its pages now, not when the waiting timeout fires."""
+    lay = layout()
+    config = fast_config(key=key, waiting_timeout_s=20.0)
+    s = await rig.sender(lay, pool(lay, 8, 1), config)
+    dst = pool(lay, 8, None)
+    r = await rig.receiver(lay, dst, config)
+    s.create(77)
+    rx = asyncio.create_task(r.receive(77, [s.endpoint], [0, 1]))
+    await s.wait_bootstrapped(77)
+    [dest] = s._rooms[77].dests.values()
+    data = b"\x00" * (lay.page_bytes((0, 1)) // 2)
+    bad = wire.Pages(transfer_id=dest.request.transfer_id, room=77, page_start="0", page_count=1,
+                     layers=(0, 1), heads=lay.heads, dtype=lay.dtype,
+                     shape=(1, lay.page_size, lay.local_heads, lay.head_dim), checksum=0,
+                     buffers=(data, data))
+    await s._send_frames(dest.reg.conn, s._encode(bad))
+    with pytest.raises(TransferError, match="could not be decoded.*wrong type: page_start"):
+        await asyncio.wait_for(rx, 5)
+    assert rig.released == [[0, 1]] and bool((dst.float() == -7.0).all())

@@ -292,23 +292,8 @@ class ProtocolReceiver(KVReceiver):
         peer = self._peers.get(endpoint)
         try:
             msg = wire.decode(frames, self.auth, auth.P2D)
-        except wire.AuthError as e:
-            self.stats["auth_failures"] += 1
-            logger.warning("dropping a message from %s: %s", endpoint, e)
-            if peer is not None and peer.registered is not None and not peer.registered.done():
-                peer.registered.set_exception(TransferError(
-                    None, f"KV transfer authentication with prefill rank {endpoint} failed: {e}",
-                    peer=endpoint))
-            rx = self._rx.get(e.transfer_id) if isinstance(e.transfer_id, int) else None
-            if rx is not None and endpoint in rx.peers:
-                # The connection is ours to this peer, so only the peer (or someone on the path,
-                # who could drop the chunk anyway) can fail the room this way: no waiting 300 s.
-                self._fail(rx, TransferError(rx.status.room, f"a {e.kind} message from this "
-                                             f"prefill rank failed authentication: {e}",
-                                             peer=endpoint))
-            return
         except wire.WireError as e:
-            logger.warning("dropping a bad message from %s: %s", endpoint, e)
+            self._on_bad_message(endpoint, peer, e)
             return
         if peer is None:
             return
@@ -342,6 +327,25 @@ class ProtocolReceiver(KVReceiver):
                 self._fail(rx, e, notify=not isinstance(msg, wire.Abort))
         else:
             logger.warning("unexpected %s message from %s", msg.KIND, endpoint)
+
+    def _on_bad_message(self, endpoint: str, peer: _Peer | None, e: wire.WireError) -> None:
+        authn = isinstance(e, wire.AuthError)
+        if authn:
+            self.stats["auth_failures"] += 1
+        logger.warning("dropping a %smessage from %s: %s", "" if authn else "bad ", endpoint, e)
+        if authn and peer is not None and peer.registered is not None \
+                and not peer.registered.done():
+            peer.registered.set_exception(TransferError(
+                None, f"KV transfer authentication with prefill rank {endpoint} failed: {e}",
+                peer=endpoint))
+        rx = self._rx.get(e.transfer_id) if isinstance(e.transfer_id, int) else None
+        if rx is not None and endpoint in rx.peers:
+            # The connection is ours to this peer, so only the peer (or someone on the path, who
+            # could drop the chunk anyway) can fail the room this way: a transfer whose chunk was
+            # dropped cannot succeed, so fail it now (releasing its pages), not at the timeout.
+            what = "failed authentication" if authn else "could not be decoded"
+            self._fail(rx, TransferError(rx.status.room, f"a {e.kind} message from this prefill "
+                                         f"rank {what}: {e}", peer=endpoint))
 
     def _on_pages(self, rx: _Rx, endpoint: str, msg: wire.Pages) -> None:
         room, p = rx.status.room, rx.peers[endpoint]
