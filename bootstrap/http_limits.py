@@ -11,7 +11,7 @@ a connection, and the memory behind it, for as long as it likes. Two bounds, one
   a bare ``web.AppRunner`` to 3630 s: :func:`make_runner` and :func:`runner_options` give
   every server the app's own bound.
 - The body: a handler reads it inside :func:`body_deadline`; a body not received whole within
-  ``read_timeout_s`` is a 408 (JSON ``{"error": ...}``) and the connection is closed.
+  ``read_timeout_s`` is a 408 (JSON ``{"error": ...}``), and the connection is closed with it.
 """
 from __future__ import annotations
 
@@ -66,7 +66,12 @@ async def body_deadline(request: web.Request) -> AsyncIterator[None]:
     except TimeoutError:
         if not timer.expired():
             raise
-        raise web.HTTPRequestTimeout(
+        answer = web.HTTPRequestTimeout(
             text=json.dumps({"error": f"request body not received within {seconds:g} s "
                                       "(the server's read timeout)"}),
-            content_type="application/json", headers={"Connection": "close"}) from None
+            content_type="application/json")
+        # Closed once answered: a "Connection: close" header alone leaves aiohttp reading (and
+        # discarding) the rest of the body for up to 10 s more, then serving the next request
+        # on the very connection that was too slow.
+        answer.force_close()
+        raise answer from None

@@ -74,6 +74,33 @@ async def cut_off(port: int, body_path: str, method: str = "POST") -> None:
         assert r.status == 200
 
 
+async def after_408(port: int, body_path: str, method: str = "POST") -> bytes:
+    """Trickle a body until the server answers 408; then send the rest of the body and a
+    pipelined ``GET /health``. Returns what the server sent after the 408, until it closed."""
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"{method} {body_path} HTTP/1.1\r\nHost: a\r\nContent-Type: "
+                     "application/json\r\nContent-Length: 100\r\n\r\n{".encode())
+        sent, got, deadline = 1, b"", loop.time() + CAP
+        while b"\r\n\r\n" not in got:
+            assert loop.time() < deadline, f"no answer to a slow body within {CAP} s"
+            try:
+                got += await asyncio.wait_for(reader.read(4096), 0.2)
+            except TimeoutError:
+                writer.write(b" ")
+                sent += 1
+        head, _, rest = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), head
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        rest = rest + await reader.readexactly(length - len(rest))
+        writer.write(b" " * (100 - sent) + b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")
+        return await asyncio.wait_for(reader.read(), CAP)  # to EOF
+    finally:
+        writer.close()
+
+
 async def serve(app: web.Application) -> tuple[int, web.AppRunner]:
     runner = make_runner(app, access_log=None)
     await runner.setup()
@@ -98,6 +125,17 @@ async def test_the_engine_port_cuts_slow_clients() -> None:
     port, runner = await serve(create_engine_app(EngineServerConfig(read_timeout_s=READ_TIMEOUT)))
     try:
         await cut_off(port, "/generate")
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_slow_body_is_the_last_request_of_its_connection(bootstrap_port: int) -> None:
+    """After its 408 the connection serves nothing more: the body's rest and a request sent
+    behind it get no answer (the server closes), on both servers."""
+    assert await after_408(bootstrap_port, "/route", method="PUT") == b""
+    port, runner = await serve(create_engine_app(EngineServerConfig(read_timeout_s=READ_TIMEOUT)))
+    try:
+        assert await after_408(port, "/generate") == b""
     finally:
         await runner.cleanup()
 
