@@ -274,6 +274,20 @@ class HttpProtocol(asyncio.Protocol):
                 if close:
                     self.close()
                     return
+                paused = self._paused
+                if paused is not None and not paused.done():
+                    # The client is not reading its answers: answering the requests it
+                    # pipelined behind would only pile answers up here (40-byte requests for
+                    # 1 MiB answers), so wait; reading stops too once those are past the bounds.
+                    # One that reads nothing for the keep-alive timeout is cut, as an idle one
+                    # (aborted: a close would wait to flush what it does not read).
+                    try:
+                        await asyncio.wait_for(paused, self.server.keepalive_timeout)
+                    except asyncio.TimeoutError:
+                        self.closing = True
+                        if self.transport is not None:
+                            self.transport.abort()
+                        return
         finally:
             self.task = None
             self.busy = False

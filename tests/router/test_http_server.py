@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
@@ -110,6 +111,50 @@ async def test_pipelined_bodies_wait_in_the_socket_not_in_the_server(serve: Star
     assert len(ahead) == 8 and max(ahead) <= MAX_AHEAD_BYTES + slack, ahead
     assert max(queued) <= MAX_AHEAD_BYTES + slack, queued
     assert not conn.reading_paused
+    writer.close()
+
+
+async def test_answers_wait_for_a_client_that_does_not_read_them(serve: Started) -> None:
+    """Pipelined requests are bounded, and so are their answers: a client that sends many
+    small requests for large answers and reads none must not have the server answer them all
+    into memory (40 requests of 40 bytes here, 40 MiB of answers)."""
+    answer = b"a" * (1 << 20)
+    handled: list[str] = []
+
+    async def handler(request: Request) -> Response:
+        handled.append(request.path)
+        return Response(200, answer, "application/octet-stream")
+
+    _, port = await serve(handler)
+    reader, writer = await connect(port)
+    n = 40
+    writer.write(b"".join(b"GET /%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(n)))
+    while not handled:
+        await asyncio.sleep(0)
+    # The server answers until the socket's buffers are full, then waits for the client:
+    # answered all at once, they were all in the server's write buffer by now.
+    assert len(handled) < n // 2, len(handled)
+    for i in range(n):
+        status, _, body = await read_response(reader, timeout=30)
+        assert status == 200 and body == answer, i
+    assert handled == [f"/{i}" for i in range(n)]
+    writer.close()
+
+
+async def test_a_client_that_reads_no_answer_is_cut_after_the_keep_alive_timeout(
+        serve: Started) -> None:
+    async def handler(request: Request) -> Response:
+        return Response(200, b"a" * (1 << 20), "application/octet-stream")
+
+    server, port = await serve(handler, keepalive_timeout=0.3)
+    _, writer = await connect(port)
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n" * 40)
+    deadline = time.monotonic() + 30
+    while not server.connections:
+        await asyncio.sleep(0.01)
+    while server.connections:  # it never reads: the server lets go of it all the same
+        assert time.monotonic() < deadline, "a client reading nothing held its connection"
+        await asyncio.sleep(0.02)
     writer.close()
 
 
