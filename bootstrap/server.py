@@ -84,10 +84,17 @@ async def read_json(request: web.Request, limit: int) -> Any:
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
     try:
-        return json.loads(raw, parse_constant=_refuse_constant)
+        # Decoded here, strictly: json.loads would take bytes in UTF-16 or UTF-32 too, which
+        # the engines and the router refuse (JSON text is UTF-8, RFC 8259).
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("request body is not UTF-8; send JSON encoded as UTF-8 "
+                         "(RFC 8259)") from None
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
     except BadRequest:
         raise
-    except (ValueError, UnicodeDecodeError) as exc:
+    except ValueError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise BadRequest("request body is nested too deeply") from None

@@ -109,6 +109,9 @@ BAD_INPUTS = [
     _put(rank_body(ip="[evil\n]")),  # a newline would reach decodes and the logs
     _put(rank_body(ip="[10.0.0.1]")),  # brackets only wrap IPv6
     ("PUT", "/route", json.dumps(rank_body()).replace('"auto"', "NaN").encode()),
+    # JSON is UTF-8 (RFC 8259): the standard parser's guess at UTF-16/32 bytes is no licence
+    ("PUT", "/route", json.dumps(rank_body()).encode("utf-16")),
+    ("PUT", "/route", json.dumps(rank_body()).encode("utf-32-be")),
     ("POST", "/register_dp_rank", b"nope"),
     ("POST", "/register_dp_rank", {"bootstrap_room": 5}),
     ("POST", "/register_dp_rank", {"bootstrap_room": "x", "dp_rank": 0}),
