@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 from transfer_helpers import Rig, fast_config, layout, pages_of, pool
 
-from transfer import TransferConfig, TransferError, TransferState, wire
+from transfer import TensorPageSource, TransferConfig, TransferError, TransferState, wire
 from transfer.auth import D2P, P2D, TransferAuth
 
 pytestmark = pytest.mark.timeout(30)
@@ -189,3 +189,30 @@ def test_a_keyless_peer_cannot_make_the_keyed_side_build_its_header() -> None:
     # small forged headers are still parsed to name the failure (and a version mismatch)
     with pytest.raises(wire.WireError, match="v7"):
         wire.decode([msgpack.packb({"v": 7, "kind": "ack"}), b"\x00" * 16], TransferAuth(KEY), D2P)
+
+
+@pytest.mark.parametrize("backend", ["zmq"])
+async def test_corrupt_hook_leaves_the_mac_of_a_header_only_chunk_alone(rig: Rig) -> None:
+    """A CUDA IPC chunk is a header (the handles) and, with a key, the MAC: the corrupt-chunk hook
+    must not flip the MAC's first byte and turn a checksum test into an authentication failure.
+    No GPU here, so a sender that sends header-only chunks the way ``CudaIpcSender`` does; a
+    host-pool receiver refuses their payload, which is the failure the test expects to see."""
+    from transfer.backends.zmq_backend import ZmqSender
+
+    class HeaderOnly(ZmqSender):
+        def _encode_payload(self, reg, tensors):
+            return ({"checksum": 1, "checksum_algo": "dsum64", "payload": "cuda_ipc",
+                     "ipc": [[0]] * len(tensors)}, [], tensors)
+
+    lay = layout()
+    s = HeaderOnly(keyed(), lay, TensorPageSource(pool(lay, 8, 1), lay))
+    await s.start()
+    rig.senders.append(s)
+    r = await rig.receiver(lay, pool(lay, 8, None), keyed())
+    s.create(31)
+    s.hooks.corrupt_rooms.add(31)
+    err, _ = await asyncio.gather(r.receive(31, [s.endpoint], [0, 1]),
+                                  s.send(31, [2, 3], first_token=1, cached_tokens=0),
+                                  return_exceptions=True)
+    assert isinstance(err, TransferError) and "payload 'cuda_ipc' is not supported" in str(err)
+    assert r.stats["auth_failures"] == 0

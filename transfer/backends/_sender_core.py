@@ -244,9 +244,10 @@ class ProtocolSender(KVSender):
                                     self.layout.head_dim),
                              buffers=buffers, **extra)
             frames = self._encode(msg)
-            if room in self.hooks.corrupt_rooms and chunks >= self.hooks.from_chunk \
-                    and len(frames) > 1:
-                frames[1] = flip_first_byte(frames[1])  # in flight: after checksum and MAC
+            if room in self.hooks.corrupt_rooms and chunks >= self.hooks.from_chunk and buffers:
+                # in flight: after checksum and MAC. Header-only (IPC) chunks have no buffer to
+                # corrupt; with a key their frame 1 is the MAC, which must stay as computed.
+                frames[1] = flip_first_byte(frames[1])
             await self._send_frames(d.reg.conn, frames)
             chunks += 1
             self.stats["bytes_sent"] += sum(t.numel() * t.element_size() for t in tensors)
