@@ -279,14 +279,9 @@ class HttpProtocol(asyncio.Protocol):
                     # The client is not reading its answers: answering the requests it
                     # pipelined behind would only pile answers up here (40-byte requests for
                     # 1 MiB answers), so wait; reading stops too once those are past the bounds.
-                    # One that reads nothing for the keep-alive timeout is cut, as an idle one
-                    # (aborted: a close would wait to flush what it does not read).
                     try:
-                        await asyncio.wait_for(paused, self.server.keepalive_timeout)
-                    except asyncio.TimeoutError:
-                        self.closing = True
-                        if self.transport is not None:
-                            self.transport.abort()
+                        await self.drain()
+                    except ConnectionResetError:
                         return
         finally:
             self.task = None
@@ -298,11 +293,21 @@ class HttpProtocol(asyncio.Protocol):
             self.transport.write(data)
 
     async def drain(self) -> None:
+        """Wait while the client is not reading; ConnectionResetError once it has gone, or
+        when it read nothing for the keep-alive timeout (it is cut then, as an idle one is:
+        a stream to it would hold a decode's request, and its pages, for as long)."""
         if self.closing:
             raise ConnectionResetError("client went away")
         paused = self._paused
         if paused is not None and not paused.done():
-            await paused
+            try:
+                await asyncio.wait_for(paused, self.server.keepalive_timeout)
+            except asyncio.TimeoutError:
+                self.closing = True
+                if self.transport is not None:
+                    self.transport.abort()  # a close would wait to flush what it never reads
+                raise ConnectionResetError(f"client read nothing for "
+                                           f"{self.server.keepalive_timeout:g} s") from None
             if self.closing:
                 raise ConnectionResetError("client went away")
 

@@ -313,3 +313,30 @@ async def test_client_gone_while_stream_write_is_blocked(serve: Started) -> None
     assert await asyncio.wait_for(outcome, 2) in ("CancelledError", "ConnectionResetError")
     await asyncio.sleep(0.05)
     assert not server.connections
+
+
+async def test_a_stream_to_a_client_that_reads_nothing_is_cut(serve: Started) -> None:
+    """A client that stops reading a stream is cut after the keep-alive timeout: its handler's
+    write raises ConnectionResetError (the router then drops the decode's request, whose pages
+    a paused stream would otherwise hold for as long as the client likes)."""
+    outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def handler(request: Request) -> Stream:
+        stream = await request.stream(200, "text/event-stream")
+        try:
+            while True:
+                await stream.write(b"z" * (1 << 20))
+        except ConnectionResetError as exc:
+            outcome.set_result(str(exc))
+            raise
+
+    server, port = await serve(handler, keepalive_timeout=0.3)
+    _, writer = await connect(port)
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert await asyncio.wait_for(outcome, 30) == "client read nothing for 0.3 s"
+    deadline = time.monotonic() + 30
+    while server.connections:
+        assert time.monotonic() < deadline, "the stalled connection was never let go"
+        await asyncio.sleep(0.02)
+    writer.close()
+
