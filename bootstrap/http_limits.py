@@ -1,5 +1,5 @@
-"""How long a client may take to send a request, for kvatlas's aiohttp servers: the bootstrap
-server and the engine's worker port (``engine/`` imports this; the router has its own HTTP
+"""How long a client may take to send a request, and the encoding its body must be in, for
+kvatlas's aiohttp servers: the bootstrap server and the engine's worker port (``engine/`` imports this; the router has its own HTTP
 layer with the same bound).
 
 A slow client (slowloris: a request head or body trickled a byte at a time) would otherwise hold
@@ -27,6 +27,23 @@ READ_TIMEOUT_S = 75.0
 """Default bound, in seconds, on a request head and on a body (web.run_app's keep-alive)."""
 
 READ_TIMEOUT = web.AppKey("read_timeout_s", float)
+
+NOT_UTF8 = "is not UTF-8; send JSON encoded as UTF-8 (RFC 8259)"
+"""The reason given for a body in another encoding, word for word the router's: a client gets
+the same answer from the router, a worker and a bootstrap server."""
+_WIDE_BOMS = (b"\x00\x00\xfe\xff", b"\xff\xfe", b"\xfe\xff")  # UTF-32-BE, UTF-16/32-LE, UTF-16-BE
+
+
+def utf8_text(raw: bytes) -> str | None:
+    """A JSON body's text, or None when it is not UTF-8 (``json.loads`` would guess UTF-16 or
+    UTF-32 from bytes). UTF-16/32 text of ASCII is valid UTF-8 with NULs, and JSON text starts
+    with ASCII: hence the NUL and BOM checks before the strict decode."""
+    if b"\x00" in raw[:4] or raw.startswith(_WIDE_BOMS):
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def check_read_timeout(seconds: float) -> None:

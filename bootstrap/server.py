@@ -21,7 +21,7 @@ from aiohttp import web
 
 from bootstrap.config import BootstrapConfig
 from bootstrap.dp_rooms import DpRoomMap
-from bootstrap.http_limits import body_deadline, bound_reads
+from bootstrap.http_limits import NOT_UTF8, body_deadline, bound_reads, utf8_text
 from bootstrap.metrics import BootstrapMetrics
 from bootstrap.mirror import RankMirror
 from bootstrap.table import RankTable, RegistrationError, parse_registration
@@ -83,13 +83,9 @@ async def read_json(request: web.Request, limit: int) -> Any:
     raw = b"".join(chunks)
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
-    try:
-        # Decoded here, strictly: json.loads would take bytes in UTF-16 or UTF-32 too, which
-        # the engines and the router refuse (JSON text is UTF-8, RFC 8259).
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BadRequest("request body is not UTF-8; send JSON encoded as UTF-8 "
-                         "(RFC 8259)") from None
+    text = utf8_text(raw)  # json.loads would take bytes in UTF-16/32, which the engines refuse
+    if text is None:
+        raise BadRequest(f"request body {NOT_UTF8}")
     try:
         return json.loads(text, parse_constant=_refuse_constant)
     except BadRequest:

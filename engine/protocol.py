@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from bootstrap.http_limits import NOT_UTF8, utf8_text
 from engine.config import ModelConfig
 from engine.errors import BadRequest
 from engine.sampling import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
@@ -29,21 +30,10 @@ class GenInput:
     rid: str | None = None
 
 
-NOT_UTF8 = "is not UTF-8; send JSON encoded as UTF-8 (RFC 8259)"
-"""The reason given for a body in another encoding, word for word the router's: a client gets
-the same answer from the router and from a worker."""
-_WIDE_BOMS = (b"\x00\x00\xfe\xff", b"\xff\xfe", b"\xfe\xff")  # UTF-32-BE, UTF-16/32-LE, UTF-16-BE
-
-
 def load_json(raw: bytes) -> dict[str, Any]:
-    # UTF-16/32 text of ASCII is valid UTF-8 with NULs (JSON text starts with ASCII): hence
-    # the NUL and BOM checks before the strict decode.
-    if b"\x00" in raw[:4] or raw.startswith(_WIDE_BOMS):
+    text = utf8_text(raw)
+    if text is None:
         raise BadRequest("body", NOT_UTF8)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BadRequest("body", NOT_UTF8) from None
     try:
         body = json.loads(text)
     except json.JSONDecodeError as exc:
