@@ -330,6 +330,11 @@ class HttpProtocol(asyncio.Protocol):
             return
         if transport.can_write_eof():
             transport.write_eof()
+            if self.reading_paused:
+                # Paused for the requests read ahead (a refusal can come in the same read):
+                # draining needs reading.
+                self.reading_paused = False
+                transport.resume_reading()
             self.loop.call_later(LINGER_S, transport.close)
         else:
             transport.close()

@@ -226,6 +226,29 @@ async def test_a_refused_body_still_sending_gets_its_answer(serve: Started) -> N
         writer.close()
 
 
+async def test_a_refusal_while_reading_is_paused_still_drains(serve: Started) -> None:
+    """A malformed request behind more pipelined ones than are read ahead: the 400 comes
+    while reading is paused, and the lingering close must read (and drop) what the client
+    still sends, not leave it unread until a reset."""
+    release = asyncio.Event()
+
+    async def handler(request: Request) -> Response:
+        await release.wait()
+        return json_response({})
+
+    server, port = await serve(handler)
+    reader, writer = await connect(port)
+    writer.write(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n"
+                 + b"GET /x HTTP/1.1\r\nhost: x\r\n\r\n" * 65 + b"NOT HTTP\r\n\r\n")
+    status, _, _ = await read_response(reader, timeout=30)
+    assert status == 400
+    # More than the kernel's buffers hold: only a server that reads lets this drain end.
+    writer.write(b"z" * (32 << 20))
+    await asyncio.wait_for(writer.drain(), 30)
+    release.set()
+    writer.close()
+
+
 async def test_chunked_body_over_limit_is_413(serve: Started) -> None:
     called = []
 
