@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,13 +148,33 @@ def check_fits(st: EngineState, gi: GenInput) -> None:
     st.engine.scheduler.check_fits(len(gi.prompt), gi.params.max_new_tokens)
 
 
+@contextlib.contextmanager
+def hang_up_cancels() -> Iterator[None]:
+    """A write to a client that hung up ends the handler as a cancellation (as
+    ``until_disconnected`` does): raised as the ConnectionResetError it is, aiohttp would log
+    it with a traceback, once per stream a client stops."""
+    try:
+        yield
+    except ConnectionResetError as exc:
+        raise asyncio.CancelledError(f"client went away mid-stream: {exc}") from exc
+
+
 async def sse_response(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
-    await resp.prepare(request)
+    with hang_up_cancels():
+        await resp.prepare(request)
     return resp
 
 
 async def sse_send(resp: web.StreamResponse, payload: dict[str, Any] | str) -> None:
     data = payload if isinstance(payload, str) else json.dumps(payload)
-    await resp.write(f"data: {data}\n\n".encode())
+    with hang_up_cancels():
+        await resp.write(f"data: {data}\n\n".encode())
+
+
+async def sse_end(resp: web.StreamResponse) -> None:
+    """The stream's last event (``[DONE]``) and its end."""
+    await sse_send(resp, "[DONE]")
+    with hang_up_cancels():
+        await resp.write_eof()

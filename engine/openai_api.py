@@ -10,8 +10,8 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.http_common import (check_fits, collect_outputs, read_body, sse_response, sse_send,
-                                state, until_disconnected)
+from engine.http_common import (check_fits, collect_outputs, read_body, sse_end, sse_response,
+                                sse_send, state, until_disconnected)
 from engine.protocol import include_usage, parse_chat, parse_completion
 from engine.scheduler import RequestOutput
 
@@ -106,8 +106,7 @@ async def _stream(request: web.Request, outputs: AsyncIterator[RequestOutput],
                 await sse_send(resp, chunk(delta, reason))
     if with_usage and last is not None:
         await sse_send(resp, {**base, "object": obj, "choices": [], "usage": usage(last)})
-    await sse_send(resp, "[DONE]")
-    await resp.write_eof()
+    await sse_end(resp)
     return resp
 
 

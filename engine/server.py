@@ -27,8 +27,8 @@ from engine import openai_api
 from engine.config import ModelConfig
 from engine.errors import BadRequest
 from engine.http_common import (CONFIG_KEY, STATE_KEY, EngineState, check_fits, collect,
-                                error_middleware, json_error, read_body, sse_response, sse_send,
-                                state, until_disconnected)
+                                error_middleware, json_error, read_body, sse_end, sse_response,
+                                sse_send, state, until_disconnected)
 from engine.metrics import make_registry
 from engine.protocol import GenInput, parse_generate
 from engine.runner import AsyncEngine, build_scheduler
@@ -85,8 +85,7 @@ async def generate_stream(request: web.Request, st: EngineState, gi: GenInput,
             await sse_send(resp, {"text": text, "output_ids": list(ids),
                                   "meta_info": meta_info(gi.rid or "", out, started)})
             out = await anext(gen, None)
-    await sse_send(resp, "[DONE]")
-    await resp.write_eof()
+    await sse_end(resp)
     return resp
 
 

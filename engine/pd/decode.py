@@ -26,7 +26,7 @@ from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from engine import openai_api
 from engine import server as mono
 from engine.errors import BadRequest
-from engine.http_common import (STATE_KEY, EngineState, sse_response, sse_send,
+from engine.http_common import (STATE_KEY, EngineState, sse_end, sse_response, sse_send,
                                 until_disconnected)
 from engine.metrics import make_registry
 from engine.pd.batch import (PDItem, answer_batch, item_ids, read_openai_item,
@@ -308,8 +308,7 @@ async def stream_out(request: web.Request, ds: DecodeState, req: Request, pages:
                 break
             await sse_send(resp, {"text": text, "output_ids": list(ids),
                                   "meta_info": meta(req.rid, out, started, result.room)})
-    await sse_send(resp, "[DONE]")
-    await resp.write_eof()
+    await sse_end(resp)
     return resp
 
 
