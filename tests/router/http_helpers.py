@@ -104,6 +104,14 @@ async def connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter
     return await asyncio.open_connection("127.0.0.1", port)
 
 
+async def let_go(server: HttpServer, timeout: float = 30.0) -> None:
+    """Until ``server`` holds no connection (an event, under a generous deadline)."""
+    deadline = time.monotonic() + timeout
+    while server.connections:
+        assert time.monotonic() < deadline, f"{len(server.connections)} connections still held"
+        await asyncio.sleep(0.01)
+
+
 # Upstream side (router/http/client.py).
 
 
