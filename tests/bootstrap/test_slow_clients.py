@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 READ_TIMEOUT = 1.0
 CAP = 30.0  # far past READ_TIMEOUT: only a server that never cuts the client reaches it
+SLOW_BODY = 10_000  # bytes announced: dripped at 5 a second, never complete before the 408
 
 
 async def trickle(port: int, head: bytes, drip: bytes, period: float = 0.2) -> bytes:
@@ -81,7 +82,7 @@ async def after_408(port: int, body_path: str, method: str = "POST") -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(f"{method} {body_path} HTTP/1.1\r\nHost: a\r\nContent-Type: "
-                     "application/json\r\nContent-Length: 100\r\n\r\n{".encode())
+                     f"application/json\r\nContent-Length: {SLOW_BODY}\r\n\r\n{{".encode())
         sent, got, deadline = 1, b"", loop.time() + CAP
         while b"\r\n\r\n" not in got:
             assert loop.time() < deadline, f"no answer to a slow body within {CAP} s"
@@ -95,7 +96,7 @@ async def after_408(port: int, body_path: str, method: str = "POST") -> bytes:
         length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                       if line.lower().startswith(b"content-length:"))
         rest = rest + await reader.readexactly(length - len(rest))
-        writer.write(b" " * (100 - sent) + b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")
+        writer.write(b" " * (SLOW_BODY - sent) + b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")
         return await asyncio.wait_for(reader.read(), CAP)  # to EOF
     finally:
         writer.close()
