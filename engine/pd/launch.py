@@ -148,6 +148,13 @@ async def follower_main(cfg: PDConfig, info: RankInfo, dist: Dist, boot: Bootstr
                         token=cfg.auth_token)
 
         async def on_op(op: tuple[Any, ...]) -> None:
+            if op[0] == "abort":
+                # The leader gave the room up (its client left, or its own send failed): fail
+                # it here now, not at this rank's timeout; the pending send then reports it.
+                # Runs before the engine thread gives the pages back (loop_handoff waits).
+                _, room, reason = op
+                sender.abort(room, reason)
+                return
             if op[0] != "send":
                 return
             _, room, pages, first, cached = op

@@ -4,6 +4,8 @@ A PD ``/generate`` (the router sends the same body to prefill and decode at once
 with ``max_new_tokens=1`` and ``hold_pages``, so its pages stay pinned, sends the pages of every
 TP rank plus the first token and cached-token count to the decode ranks that asked for the room,
 and only then gives the pages back. It answers once the KV is sent; the router ignores that body.
+A room it gives up (its client left, its own send failed) is aborted on every TP rank before
+the pages come back, so that no follower keeps sending them.
 With ``--dp`` > 1, world rank 0 picks the DP group (``room % dp`` or round robin announced with
 ``/register_dp_rank``) and forwards the request to that group's leader.
 """
@@ -86,6 +88,8 @@ class PrefillState:
     rr: Any = field(default_factory=lambda: itertools.count())
     stats: dict[str, int] = field(default_factory=lambda: {"sent": 0, "failed": 0,
                                                            "forwarded": 0})
+    sending: set[int] = field(default_factory=set)
+    """Rooms whose KV every TP rank was told to send and whose send has not ended here."""
 
 
 PREFILL_KEY = web.AppKey("pd_prefill", PrefillState)
@@ -184,6 +188,7 @@ async def prefill_one(ps: PrefillState, prompt: list[int], params: Any, rid: str
         await engine.call(ps.replica.release_held, rid)
         return json_error(500, f"prefill of room {room} failed: {reason}", room=room)
     first, cached = last.new_ids[0], last.cached_tokens
+    released = False
     try:
         pages = await engine.call(lambda: list(ps.replica.held[rid]))
         await send_all_ranks(ps, room, pages, first, cached)
@@ -192,11 +197,16 @@ async def prefill_one(ps: PrefillState, prompt: list[int], params: Any, rid: str
         return json_error(502, str(exc), room=room, stage=exc.stage.name if exc.stage else None)
     except BaseException as exc:
         # cancelled (the client left) before the send waited on the room, which alone fails
-        # it then: fail it here, or it stays open and a decode may still ask for it
-        ps.sender.abort(room, f"prefill did not finish: {type(exc).__name__}")
+        # it then: fail it here, or it stays open and a decode may still ask for it; and on
+        # the other TP ranks too, which would otherwise send freed pages until their timeout
+        reason = f"prefill did not finish: {type(exc).__name__}"
+        ps.sender.abort(room, reason)
+        released = True  # by the call below, even if this task is cancelled again
+        await asyncio.shield(engine.call(abort_and_release, ps, room, reason, rid))
         raise
     finally:
-        await asyncio.shield(engine.call(ps.replica.release_held, rid))
+        if not released:
+            await asyncio.shield(engine.call(ps.replica.release_held, rid))
     ps.stats["sent"] += 1
     return web.json_response({
         "text": "", "output_ids": [first],
@@ -206,6 +216,16 @@ async def prefill_one(ps: PrefillState, prompt: list[int], params: Any, rid: str
                       "e2e_latency": round(time.monotonic() - started, 6)}})
 
 
+def abort_and_release(ps: PrefillState, room: int, reason: str, rid: str) -> None:
+    """Engine thread: have the other TP ranks abort ``room``, then give its pages back on every
+    rank. One call, so that the abort precedes the release in the ordered broadcast whatever
+    happens to the handler; a follower's engine thread runs the release only once its sender
+    failed the room (``loop_handoff``), so no rank reads a page after it was freed."""
+    if ps.ranks.info.tp_size > 1:
+        ps.replica.transfer(("abort", room, reason))
+    ps.replica.release_held(rid)
+
+
 async def send_all_ranks(ps: PrefillState, room: int, pages: list[int], first: int,
                          cached: int) -> None:
     """Send this rank's shard and have every other TP rank send its own; raise the first
@@ -213,6 +233,17 @@ async def send_all_ranks(ps: PrefillState, room: int, pages: list[int], first: i
     tp = ps.ranks.info.tp_size
     if tp > 1:
         await ps.engine.call(ps.replica.transfer, ("send", room, pages, first, cached))
+    ps.sending.add(room)
+    try:
+        await send_and_collect(ps, room, pages, first, cached)
+    finally:
+        ps.sending.discard(room)
+
+
+async def send_and_collect(ps: PrefillState, room: int, pages: list[int], first: int,
+                           cached: int) -> None:
+    """This rank's send, then the other TP ranks' reports; the first failure raised."""
+    tp = ps.ranks.info.tp_size
     own = asyncio.ensure_future(ps.sender.send(room, pages, first_token=first,
                                                cached_tokens=cached))
     errors: list[TransferError] = []
@@ -220,6 +251,10 @@ async def send_all_ranks(ps: PrefillState, room: int, pages: list[int], first: i
         await own
     except TransferError as exc:
         errors.append(exc)
+        if tp > 1:
+            # the room is lost: the other ranks stop now, and report at once, rather than
+            # send to a decode that gave up until their timeout while this request waits
+            await ps.engine.call(ps.replica.transfer, ("abort", room, exc.reason))
     if tp > 1 and ps.uplink is not None:
         timeout = ps.cfg.transfer.bootstrap_timeout_s + ps.cfg.transfer.waiting_timeout_s
         reports = await ps.uplink.wait("send", room, tp - 1, timeout)
@@ -237,7 +272,9 @@ async def send_all_ranks(ps: PrefillState, room: int, pages: list[int], first: i
 async def stats_get(request: web.Request) -> web.Response:
     ps = request.app[PREFILL_KEY]
     doc: dict[str, Any] = {"rank": ps.ranks.info.name, **ps.stats, "sender": ps.sender.stats,
-                           "held": len(ps.replica.held)}
+                           "held": len(ps.replica.held), "sending": len(ps.sending)}
+    if ps.uplink is not None:  # the other TP ranks' outcomes (send_ok, send_failed)
+        doc["ranks"] = dict(ps.uplink.counts)
     if ps.writer is not None:
         doc["index_writer"] = ps.writer.stats()
     return web.json_response(doc)

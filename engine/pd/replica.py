@@ -138,10 +138,28 @@ def follow(sched: Scheduler, dist: Dist, on_transfer: Callable[[tuple[Any, ...]]
             log.debug("replicated %s raised", kind, exc_info=True)
 
 
+#: Transfer commands the engine thread waits for before it runs the next replicated call.
+#: The leader casts an abort just before the call that gives the room's pages back (or reuses
+#: them); waiting makes this rank's sender or receiver stop touching them first.
+WAITED_OPS = frozenset({"abort"})
+#: An abort handler does no I/O (it fails the room and queues the notices); this only bounds a
+#: wedged event loop, so that the engine thread logs it and stays in lockstep.
+WAITED_OP_TIMEOUT_S = 30.0
+
+
 def loop_handoff(loop: asyncio.AbstractEventLoop,
                  handler: Callable[[tuple[Any, ...]], Any]) -> Callable[[tuple[Any, ...]], None]:
     """``on_transfer`` for :func:`follow`: run ``handler(op)`` (a coroutine function) as a task
-    in the follower's event loop."""
+    in the follower's event loop; for an op in :data:`WAITED_OPS`, return once it ran. Tasks
+    start in the order of their ops, so an abort runs after the send or receive it ends."""
     def hand(op: tuple[Any, ...]) -> None:
-        loop.call_soon_threadsafe(lambda: loop.create_task(handler(op)))
+        if op[0] not in WAITED_OPS:
+            loop.call_soon_threadsafe(lambda: loop.create_task(handler(op)))
+            return
+        done = asyncio.run_coroutine_threadsafe(handler(op), loop)
+        try:
+            done.result(WAITED_OP_TIMEOUT_S)
+        except Exception:  # timed out or raised: the call that follows must still run
+            log.warning("transfer %s of room %s did not finish in the event loop", op[0],
+                        op[1] if len(op) > 1 else None, exc_info=True)
     return hand

@@ -19,6 +19,7 @@ import zmq.asyncio
 log = logging.getLogger(__name__)
 
 Report = dict[str, Any]
+COUNTED = ("send", "receive")
 
 
 class UplinkServer:
@@ -33,6 +34,9 @@ class UplinkServer:
         self._born: dict[tuple[str, int], float] = {}
         self._changed = asyncio.Event()
         self.address = ""
+        #: Reports received, by ``{kind}_ok`` / ``{kind}_failed`` (``send_failed``: a TP rank
+        #: failed a room, e.g. aborted it when the leader gave it up), for ``/debug/pd``.
+        self.counts: dict[str, int] = {}
 
     async def start(self) -> None:
         sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
@@ -61,6 +65,9 @@ class UplinkServer:
                 log.warning("dropping a malformed rank report")
                 continue
             self._reports.setdefault(key, []).append(rep)
+            if key[0] in COUNTED:  # a fixed set of keys, whatever a report says
+                count = f"{key[0]}_{'ok' if rep.get('ok') else 'failed'}"
+                self.counts[count] = self.counts.get(count, 0) + 1
             self._born.setdefault(key, time.monotonic())
             self._changed.set()
             self._expire()

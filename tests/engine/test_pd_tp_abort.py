@@ -1,0 +1,101 @@
+"""A prefill with TP > 1 that gives a room up (its client hung up, or its own send failed) has
+every rank abort it at once: a follower would otherwise keep the room open and send pages the
+leader had just freed, until its own timeout. The follower's engine thread waits for the abort
+to run in its event loop before the next replicated call (the one giving the pages back)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from engine.pd.replica import loop_handoff
+from pd_helpers import monolithic, pd_body
+from pd_procs import assert_at_rest, proc_pair
+
+IDS = [256, *b"a prompt whose client hangs up while the prefill ranks send it"]
+# far past the test's deadlines: a room that fails on a follower is the abort's doing
+PATIENT = ("--transfer-bootstrap-timeout", "300", "--transfer-waiting-timeout", "300")
+
+
+@pytest.fixture
+def loop_thread() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        async def cancel_all() -> None:
+            for task in asyncio.all_tasks() - {asyncio.current_task()}:
+                task.cancel()
+
+        asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_an_abort_has_run_when_the_handoff_returns(loop_thread: asyncio.AbstractEventLoop
+                                                   ) -> None:
+    """The engine thread's next call frees the room's pages: the abort must have run by then,
+    and after the send it ends (tasks start in the order of their ops)."""
+    seen: list[tuple[Any, ...]] = []
+
+    async def handler(op: tuple[Any, ...]) -> None:
+        seen.append(op)
+        if op[0] == "send":
+            await asyncio.sleep(3600)  # a send waits on its decode
+
+    hand = loop_handoff(loop_thread, handler)
+    hand(("send", 7))
+    hand(("abort", 7, "the client left"))
+    assert seen == [("send", 7), ("abort", 7, "the client left")]
+
+
+async def debug_pd(s: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with s.get(url + "/debug/pd") as r:
+        return await r.json()  # type: ignore[no-any-return]
+
+
+async def until_debug(s: aiohttp.ClientSession, url: str, what: str,
+                      cond: Any, timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while not cond(doc := await debug_pd(s, url)):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {doc}"
+        await asyncio.sleep(0.05)
+    return doc
+
+
+@pytest.mark.timeout(180)
+async def test_a_hang_up_aborts_the_room_on_every_prefill_rank() -> None:
+    want = monolithic([IDS], [6])[0]
+    with proc_pair(*PATIENT, prefill_extra=("--tp", "2")) as (prefill, decode):
+        async with aiohttp.ClientSession() as s:
+            body = {**pd_body(IDS, 6, prefill.bport), "rid": "abandoned"}
+            # no decode ever asks for this room: every rank's send waits in Bootstrapping
+            pre = asyncio.create_task(s.post(prefill.url + "/generate", json=body))
+            await until_debug(s, prefill.url, "both ranks told to send",
+                              lambda d: d["sending"] == 1)
+            pre.cancel()  # the router's client hung up: the connection closes
+            await asyncio.gather(pre, return_exceptions=True)
+            doc = await until_debug(s, prefill.url, "the follower's room aborted",
+                                    lambda d: d["ranks"].get("send_failed") == 1)
+            assert doc["ranks"].get("send_ok", 0) == 0, doc
+            await until_debug(s, prefill.url, "the pages given back",
+                              lambda d: d["held"] == 0 and d["sending"] == 0)
+            await assert_at_rest(s, prefill.url, decode.url)
+            # the same prompt again: its pages (now cached) are the ones the follower held
+            body = pd_body(IDS, 6, prefill.bport)
+            pr, dr = await asyncio.gather(s.post(prefill.url + "/generate", json=body),
+                                          s.post(decode.url + "/generate", json=body))
+            pbody, dbody = await pr.json(), await dr.json()
+            assert (pr.status, dr.status) == (200, 200), (pbody, dbody)
+            assert dbody["output_ids"] == want
+            doc = await debug_pd(s, prefill.url)
+            assert doc["ranks"] == {"send_failed": 1, "send_ok": 1}, doc
+            await assert_at_rest(s, prefill.url, decode.url)
