@@ -95,3 +95,13 @@ async def test_the_decode_chunk_limit_is_honoured_by_a_bigger_sender(rig: Rig) -
     res, _ = await asyncio.gather(r.receive(7, [s.endpoint], list(range(10))),
                                   s.send(7, list(range(10)), first_token=1, cached_tokens=0))
     assert res.chunks == 6  # 4096-byte chunks (see test_many_chunks), not one 1 MiB chunk
+
+
+@pytest.mark.parametrize("backend", ["zmq"])
+async def test_a_decode_connection_queues_a_few_chunks_not_a_whole_transfer(rig: Rig) -> None:
+    """ZMQ's default receive HWM (1000 messages) let one connection queue up to 1000 chunk-sized
+    frames before the receiver looked at them; past a few chunks, ZMQ must stop reading TCP."""
+    s, r = await pair(rig)
+    sock = r._socks[s.endpoint]
+    hwm, biggest = sock.getsockopt(zmq.RCVHWM), sock.getsockopt(zmq.MAXMSGSIZE)
+    assert 0 < hwm <= 16 and hwm * biggest <= 16 * (r.config.chunk_bytes + wire.HEADER_ROOM)
