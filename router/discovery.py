@@ -2,27 +2,26 @@
 
 Instances register ``/{prefix}/v1/instances/{id}`` under their lease; when one dies the lease
 expires and the delete arrives here as a watch event, so pools follow etcd within a watch round
-trip. After a broken watch the whole prefix is read again and the etcd-sourced workers are
-reconciled with it (a delete missed while disconnected is not lost).
+trip. The get-then-watch loop is ``index.follow.PrefixFollower``: a broken watch resumes from the
+last applied revision + 1 (a delete missed while disconnected still arrives), and a compaction,
+a silent stream or a failure to apply answers with a fresh snapshot that the etcd-sourced
+workers are reconciled with.
 
 A watch on a member that lost its leader neither fails nor delivers events (etcd 3.5 even
 answers progress requests from its local store), so a linearizable probe checks quorum and
 progress requests keep a healthy stream talking (``WatchLiveness``): when either goes quiet for
 ``stale_after`` seconds the state reads "degraded" (pools stay as last known), and a silent
-stream is reopened.
+stream is answered with a snapshot. etcd's "created" response does not count as hearing from
+the stream: a watch that opens and delivers nothing reads "degraded".
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 
-from index.errors import EtcdError
-from index.etcd import EtcdClient, WatchBatch
+from index.etcd import EtcdClient, KeyValue, WatchEvent
+from index.follow import PrefixFollower
 from index.keys import KeyLayout
-from index.lease import Backoff, cancel_and_wait
-from index.liveness import WatchLiveness
 from router.workers import ROLES, WorkerPools, parse_instance_record
 
 logger = logging.getLogger(__name__)
@@ -30,107 +29,62 @@ logger = logging.getLogger(__name__)
 ETCD_SOURCE = "etcd"
 
 
-class InstanceDiscovery:
+class InstanceDiscovery(PrefixFollower):
     """Keeps the etcd-sourced workers of ``pools`` equal to the instance keys in etcd."""
 
     def __init__(self, client: EtcdClient, layout: KeyLayout, pools: WorkerPools,
                  model: str | None = None, progress_every: float = 1.0,
                  stale_after: float = 3.0) -> None:
-        if not 0 < progress_every < stale_after:
-            raise ValueError(f"need 0 < progress_every < stale_after, got {progress_every} and "
-                             f"{stale_after}")
-        self.client = client
+        super().__init__(client, layout.instances_prefix(), "instance discovery", stale_after,
+                         progress_every)
         self.layout = layout
         self.pools = pools
         self.model = model
-        self.prefix = layout.instances_prefix()
-        self.revision = 0
-        self.progress_every = progress_every
-        self.stale_after = stale_after
-        self._state = "connecting"
-        self.liveness = WatchLiveness(client, self.prefix, stale_after, progress_every)
-        self.last_error: str | None = None
         self.synced_at: float | None = None
-        self._synced = asyncio.Event()
 
     @property
     def state(self) -> str:
-        """"connecting", "synced" (watching) or "degraded" (etcd away or without quorum; pools
-        as last known)."""
-        if self._state == "synced" and not self.liveness.connected:
-            return "degraded"
-        return self._state
+        """"connecting", "synced" (watching) or "degraded" (etcd away or without quorum, or a
+        watch that does not deliver; pools as last known)."""
+        if not self.ready:
+            # Before the first snapshot: trouble already seen reads as such (the router's
+            # /readiness reports the index "stale" then rather than merely starting).
+            return "degraded" if self.last_error is not None else "connecting"
+        return "synced" if self.connected else "degraded"
 
     async def wait_synced(self, timeout: float | None = None) -> bool:
-        try:
-            await asyncio.wait_for(self._synced.wait(), timeout)
-            return True
-        except asyncio.TimeoutError:
-            return False
+        """Wait for the first full snapshot; False on timeout."""
+        return await self.wait_ready(timeout)
 
     def stats(self) -> dict[str, object]:
-        return {"state": self.state, "revision": self.revision, "last_error": self.last_error,
+        return {"state": self.state, "connected": self.connected, "revision": self.revision,
+                "store_revision": self.store_revision, "revision_lag": self.revision_lag,
+                "reloads": self.reloads, "resumes": self.resumes,
+                "compactions": self.compactions, "disconnects": self.disconnects,
+                "errors": self.errors, "last_error": self.last_error,
                 "probe_error": self.liveness.last_probe_error}
 
-    async def run(self) -> None:
-        probe = asyncio.create_task(self.liveness.probe(), name="router-discovery-probe")
-        try:
-            await self._follow()
-        finally:
-            await cancel_and_wait(probe)  # see index.lease.cancel_and_wait: never hangs
+    # --- the follower's hooks ---------------------------------------------------------------
 
-
-    async def _follow(self) -> None:
-        backoff = Backoff()
-        while True:
-            try:
-                await self._reload()
-                watch = self.client.watch_prefix(self.prefix, self.revision + 1,
-                                                 self.progress_every)
-                async with contextlib.aclosing(watch):
-                    it = aiter(watch)
-                    while True:
-                        try:
-                            async with asyncio.timeout(self.stale_after):
-                                batch = await anext(it)
-                        except StopAsyncIteration:
-                            break
-                        self._on_batch(batch)
-                        backoff.reset()
-            except (EtcdError, asyncio.TimeoutError) as exc:
-                # TimeoutError: the stream went silent despite progress requests.
-                self._state = "degraded"
-                self.liveness.broke()
-                self.last_error = str(exc) or f"watch silent for {self.stale_after:g} s"
-                logger.warning("instance discovery: etcd trouble, keeping pools as they are and "
-                               "retrying: %s", exc)
-                await asyncio.sleep(backoff.next())
-
-    async def _reload(self) -> None:
-        revision, kvs = await self.client.get_prefix(self.prefix)
+    def load(self, revision: int, kvs: list[KeyValue]) -> None:
         seen: set[tuple[str, str]] = set()
         for kv in kvs:
             key = self._apply_put(kv.key, kv.value)
             if key is not None:
                 seen.add(key)
+        # Reconcile: an etcd-sourced worker whose key is gone left while we were not watching.
         for role in ROLES:
             for worker in self.pools.pool(role):
                 if worker.source == ETCD_SOURCE and (role, worker.instance_id) not in seen:
                     self.pools.remove(role, worker.instance_id)
-        self.revision = revision
-        self._state = "synced"
-        self.liveness.heard()
         self.synced_at = time.time()
-        self._synced.set()
 
-    def _on_batch(self, batch: WatchBatch) -> None:
-        self.liveness.heard()
-        for ev in batch.events:
+    def apply(self, events: list[WatchEvent]) -> None:
+        for ev in events:
             if ev.put:
                 self._apply_put(ev.key, ev.value)
             else:
                 self._apply_delete(ev.key)
-        self.revision = max(self.revision, batch.revision)
 
     def _apply_put(self, key: bytes, value: bytes) -> tuple[str, str] | None:
         iid = self.layout.parse_instance(key)

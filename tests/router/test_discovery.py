@@ -1,10 +1,16 @@
 """Pools follow etcd instance keys by watch (real etcd, real leases, real stub workers)."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from etcd_instances import wait_for
 
+from index.errors import EtcdUnavailable
+from index.etcd import EtcdClient, EtcdSettings, KeyValue, WatchBatch
+from index.keys import KeyLayout, dumps
 from router.config import RouterConfig
 
 
@@ -200,3 +206,81 @@ async def test_quorum_loss_degrades_discovery_and_keeps_pools(etcd_cluster3: Any
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+class FlappingWatchClient(EtcdClient):
+    """A real client whose watches, while ``flapping``, pass on etcd's "created" response and
+    break at the next one: a stream that opens and never delivers. Counts prefix snapshots."""
+
+    def __init__(self, settings: EtcdSettings) -> None:
+        super().__init__(settings)
+        self.flapping = False
+        self.snapshots = 0
+
+    async def get_prefix(self, prefix: bytes,
+                         keys_only: bool = False) -> tuple[int, list[KeyValue]]:
+        self.snapshots += 1
+        return await super().get_prefix(prefix, keys_only)
+
+    async def watch_prefix(self, prefix: bytes, start_revision: int,  # type: ignore[override]
+                           progress_every: float | None = None,
+                           fragment: bool = False) -> AsyncIterator[WatchBatch]:
+        inner = super().watch_prefix(prefix, start_revision, progress_every, fragment)
+        async with contextlib.aclosing(inner):
+            async for batch in inner:
+                if self.flapping and not batch.created:
+                    raise EtcdUnavailable("watch stream reset (test)")
+                yield batch
+
+
+async def test_a_watch_that_only_opens_reads_degraded_and_is_no_reload_storm(
+        etcd: EtcdClient, etcd_settings: EtcdSettings, layout: KeyLayout) -> None:
+    """etcd's "created" promises a stream, not that it delivers: a watch that keeps opening and
+    breaking must read "degraded" (pools as last known) until it delivers again, and each break
+    is a resume, not a snapshot of the whole prefix with the backoff started over."""
+    from router.discovery import InstanceDiscovery
+    from router.workers import PREFILL, WorkerPools
+
+    def record(port: int) -> bytes:
+        return dumps({"role": "prefill", "url": f"http://127.0.0.1:{port}",
+                      "bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "model": "tiny"})
+
+    await etcd.put(layout.instance("p0"), record(9))
+    client = FlappingWatchClient(etcd_settings)
+    await client.connect()
+    pools = WorkerPools(RouterConfig())
+    disc = InstanceDiscovery(client, layout, pools, "tiny", progress_every=0.1, stale_after=1.0)
+    task = asyncio.create_task(disc.run())
+    loop = asyncio.get_running_loop()
+    try:
+        assert await disc.wait_synced(10)
+        deadline = loop.time() + 10
+        while disc.state != "synced":
+            assert loop.time() < deadline, f"never synced: {disc.stats()}"
+            await asyncio.sleep(0.01)
+        client.flapping = True
+        snapshots = client.snapshots
+        await etcd.put(layout.instance("p1"), record(10))
+        degraded = False
+        until = loop.time() + 2.5
+        while loop.time() < until:
+            state = disc.state
+            degraded = degraded or state == "degraded"
+            # Once the break was noticed, only a delivery may make it read "synced" again.
+            assert not (degraded and state == "synced"), (
+                f"synced behind a watch that only opens: {disc.stats()}")
+            await asyncio.sleep(0.01)
+        assert degraded, f"the breaks were noticed: {disc.stats()}"
+        assert client.snapshots - snapshots <= 1, (
+            f"{client.snapshots - snapshots} snapshots of the prefix in 2.5 s: {disc.stats()}")
+        assert pools.get(PREFILL, "p0") is not None, "pools kept as last known"
+
+        client.flapping = False  # the stream delivers again: it resumes and catches up
+        deadline = loop.time() + 15
+        while disc.state != "synced" or pools.get(PREFILL, "p1") is None:
+            assert loop.time() < deadline, f"never caught up: {disc.stats()}"
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.close()
