@@ -10,19 +10,21 @@ stale, before a request hits it.
 A vanished record alone is not acted on: a lease can expire while etcd is unreachable and the
 prefill is fine (the heartbeat handles real deaths). The last identity is kept, so a process that
 comes back after its old record expired is still noticed as a new one.
+
+The get-then-watch loop is ``index.follow.PrefixFollower``: a broken watch resumes, and a stream
+that goes silent for ``stale_after`` seconds (a hang without an error) is answered with a fresh
+snapshot, so a restart that a stuck stream never delivered is still noticed, compared against
+the identities known before.
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
 
-from index.errors import EtcdError
-from index.etcd import EtcdClient, WatchBatch
+from index.etcd import EtcdClient, KeyValue, WatchEvent
+from index.follow import PrefixFollower
 from index.keys import KeyLayout
-from index.lease import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -45,53 +47,39 @@ def _identity(value: bytes) -> tuple[str, object] | None:
     return f"{host}:{port}", doc.get("started_at")
 
 
-class PrefillRestarts:
+class PrefillRestarts(PrefixFollower):
     """Calls ``on_change`` when the process identity in a prefill's record changes."""
 
     def __init__(self, client: EtcdClient, layout: KeyLayout, on_change: OnChange,
-                 progress_every: float = 2.0) -> None:
-        self.client = client
-        self.prefix = layout.instances_prefix()
+                 progress_every: float = 2.0, stale_after: float | None = None) -> None:
+        # Silence is judged against the progress period: three missed progress answers.
+        super().__init__(client, layout.instances_prefix(), "prefill restart watch",
+                         3 * progress_every if stale_after is None else stale_after,
+                         progress_every)
         self.on_change = on_change
-        self.progress_every = progress_every
         self.known: dict[bytes, tuple[str, object]] = {}
         """Instance key -> (bootstrap address, started_at) as last seen (kept after a delete
         until the next reload)."""
         self.changes = 0
         self._loaded = False
 
-    async def run(self) -> None:
-        backoff = Backoff()
-        revision = 0
-        while True:
-            try:
-                revision = await self._reload()
-                watch = self.client.watch_prefix(self.prefix, revision + 1, self.progress_every)
-                async with contextlib.aclosing(watch):
-                    async for batch in watch:
-                        await self._on_batch(batch)
-                        backoff.reset()
-            except EtcdError as exc:
-                log.warning("prefill restart watch: etcd trouble, retrying: %s", exc)
-                await asyncio.sleep(backoff.next())
+    # --- the follower's hooks ---------------------------------------------------------------
 
-    async def _reload(self) -> int:
-        revision, kvs = await self.client.get_prefix(self.prefix)
+    async def load(self, revision: int, kvs: list[KeyValue]) -> None:
         seen: dict[bytes, tuple[str, object]] = {}
         for kv in kvs:
             ident = _identity(kv.value)
             if ident is not None:
                 seen[kv.key] = ident
-        if self._loaded:  # a reconnect: what changed meanwhile counts too
+        if self._loaded:  # a reload: what changed while not watching counts too
             for key, new in seen.items():
                 old = self.known.get(key)
                 if old is not None and old != new:
                     await self._changed(old[0], "a new process registered while disconnected")
         self.known, self._loaded = seen, True
-        return revision
 
-    async def _on_batch(self, batch: WatchBatch) -> None:
-        for ev in batch.events:
+    async def apply(self, events: list[WatchEvent]) -> None:
+        for ev in events:
             if not ev.put:
                 continue  # see the module docstring: the last identity stays
             old = self.known.get(ev.key)
