@@ -105,3 +105,16 @@ async def test_a_decode_connection_queues_a_few_chunks_not_a_whole_transfer(rig:
     sock = r._socks[s.endpoint]
     hwm, biggest = sock.getsockopt(zmq.RCVHWM), sock.getsockopt(zmq.MAXMSGSIZE)
     assert 0 < hwm <= 16 and hwm * biggest <= 16 * (r.config.chunk_bytes + wire.HEADER_ROOM)
+
+
+async def test_a_started_room_keeps_no_page_ids_either(rig: Rig) -> None:
+    """Like the early table, a live room's destinations keep only the page count: a request may
+    carry as many ids as the pool has pages, for every room in flight."""
+    s, r = await pair(rig, prefill_pages=64, decode_pages=64)
+    s.create(40)
+    rx = asyncio.create_task(r.receive(40, [s.endpoint], list(range(64))))
+    await s.wait_bootstrapped(40)
+    [dest] = s._rooms[40].dests.values()
+    assert dest.request.dst_page_ids == () and dest.num_pages == 64
+    await s.send(40, list(range(64)), first_token=1, cached_tokens=0)
+    assert (await rx).num_pages == 64

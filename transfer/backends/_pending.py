@@ -8,6 +8,7 @@ whatever peers sent (45 requests with 200k page ids each: +327 MB). So an entry 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -42,10 +43,7 @@ class EarlyTable:
         if not self._room_for_one():
             return False
         self._requests.setdefault(req.room, []).append(
-            EarlyRequest(conn, wire.Request(transfer_id=req.transfer_id, room=req.room,
-                                            dst_rank=req.dst_rank,
-                                            num_requesters=req.num_requesters, dst_page_ids=()),
-                         num_pages, time.monotonic()))
+            EarlyRequest(conn, without_page_ids(req), num_pages, time.monotonic()))
         self._count += 1
         return True
 
@@ -80,6 +78,12 @@ class EarlyTable:
             del self._aborts[room]
             self._count -= 1
         return self._count < self.max_entries
+
+
+def without_page_ids(req: wire.Request) -> wire.Request:
+    """``req`` as the prefill keeps it once validated: the page ids only matter to the decode (the
+    prefill sends chunks by position), and a request may carry as many as the pool has pages."""
+    return dataclasses.replace(req, dst_page_ids=())
 
 
 def check_request(req: wire.Request, decode_pages: int, own_pages: int) -> str:

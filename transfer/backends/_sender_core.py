@@ -18,7 +18,7 @@ import torch
 
 from transfer import auth, wire
 from transfer.backends._chunks import check_room, flip_first_byte, plan_chunks
-from transfer.backends._pending import EarlyTable, check_request
+from transfer.backends._pending import EarlyTable, check_request, without_page_ids
 from transfer.backends.base import Destination, KVSender, SenderHooks
 from transfer.base import (TRANSFER_KEY_ENV, TransferConfig, TransferError, TransferState,
                            TransferStatus)
@@ -374,7 +374,8 @@ class ProtocolSender(KVSender):
                                            f"heads {self.layout.heads}", peer=reg.peer), notify=True)
             return
         st.expected = req.num_requesters
-        st.dests[(conn, req.dst_rank)] = _Dest(reg, req, num_pages, layers, heads)
+        st.dests[(conn, req.dst_rank)] = _Dest(reg, without_page_ids(req), num_pages, layers,
+                                               heads)
         if len(st.dests) >= st.expected:
             st.status.advance(TransferState.WAITING_FOR_INPUT)
             if st.timer:
