@@ -95,6 +95,15 @@ class PrefixFollower:
         """Revisions between etcd's newest known revision and the last applied one."""
         return max(0, self.store_revision - self.revision)
 
+    def follow_stats(self) -> dict[str, object]:
+        """The loop's own figures, for a subclass's ``stats()`` to extend."""
+        return {"ready": self.ready, "connected": self.connected, "revision": self.revision,
+                "store_revision": self.store_revision, "revision_lag": self.revision_lag,
+                "batches": self.batches, "reloads": self.reloads,
+                "compactions": self.compactions, "resumes": self.resumes,
+                "disconnects": self.disconnects, "errors": self.errors,
+                "last_error": self.last_error}
+
     async def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait for the first full load; False on timeout."""
         try:

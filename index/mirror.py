@@ -121,15 +121,11 @@ class BlockMirror(PrefixFollower):
 
     def stats(self) -> dict[str, object]:
         return {
-            "model": self.model, "ready": self.ready, "connected": self.connected,
-            "revision": self.revision,
-            "store_revision": self.store_revision, "revision_lag": self.revision_lag,
+            "model": self.model, **self.follow_stats(),
             "blocks": {m: len(t) for m, t in self.tables.items()},
-            "puts": self.puts, "deletes": self.deletes, "batches": self.batches,
-            "reloads": self.reloads, "compactions": self.compactions, "resumes": self.resumes,
-            "disconnects": self.disconnects, "bad_keys": self.bad_keys, "errors": self.errors,
+            "puts": self.puts, "deletes": self.deletes, "bad_keys": self.bad_keys,
             "cached_names": len(self._names) + len(self._models),
-            "lag_s": self.lag_stats(), "last_error": self.last_error,
+            "lag_s": self.lag_stats(),
         }
 
     # --- the follower's hooks ---------------------------------------------------------------

@@ -57,11 +57,7 @@ class InstanceDiscovery(PrefixFollower):
         return await self.wait_ready(timeout)
 
     def stats(self) -> dict[str, object]:
-        return {"state": self.state, "connected": self.connected, "revision": self.revision,
-                "store_revision": self.store_revision, "revision_lag": self.revision_lag,
-                "reloads": self.reloads, "resumes": self.resumes,
-                "compactions": self.compactions, "disconnects": self.disconnects,
-                "errors": self.errors, "last_error": self.last_error,
+        return {"state": self.state, **self.follow_stats(),
                 "probe_error": self.liveness.last_probe_error}
 
     # --- the follower's hooks ---------------------------------------------------------------
