@@ -4,13 +4,13 @@ first; updates of the same process (ranks registering, ready flips) and a lone d
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
 from engine.pd.restarts import PrefillRestarts
 from engine_helpers import wait_until
-from index.etcd import EtcdClient, EtcdSettings, WatchBatch
+from etcd_fakes import HeldWatchClient
+from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, dumps
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,26 +61,6 @@ async def test_new_process_and_vanished_record_are_reported(etcd: EtcdClient,
         await asyncio.gather(task, return_exceptions=True)
 
 
-class SilentWatchClient(EtcdClient):
-    """A real client whose open watches, once ``silent``, pass nothing on: a stream that hangs
-    without an error (or etcd still producing a very large revision)."""
-
-    def __init__(self, settings: EtcdSettings) -> None:
-        super().__init__(settings)
-        self.silent = False
-
-    async def watch_prefix(self, prefix: bytes, start_revision: int,  # type: ignore[override]
-                           progress_every: float | None = None,
-                           fragment: bool = False) -> AsyncIterator[WatchBatch]:
-        opened = False
-        async for batch in super().watch_prefix(prefix, start_revision, progress_every, fragment):
-            # etcd's "created" still comes through, as it does on a stream that later hangs.
-            if opened and self.silent:
-                continue
-            opened = True
-            yield batch
-
-
 async def test_a_restart_behind_a_silent_watch_is_still_reported(
         etcd: EtcdClient, etcd_settings: EtcdSettings, layout: KeyLayout) -> None:
     seen: list[tuple[str, str]] = []
@@ -90,17 +70,17 @@ async def test_a_restart_behind_a_silent_watch_is_still_reported(
 
     key = layout.instance("p0")
     await etcd.put(key, _record(1.0))
-    client = SilentWatchClient(etcd_settings)
+    client = HeldWatchClient(etcd_settings)
     await client.connect()
     watch = PrefillRestarts(client, layout, on_change, progress_every=0.2)
     task = asyncio.create_task(watch.run())
     try:
         await wait_until(lambda: key in watch.known, "the record known to the watch", 30.0)
-        client.silent = True
+        client.held = True
         await etcd.put(key, _record(2.0))  # never delivered by the stream
         await wait_until(lambda: len(seen) >= 1, f"the restart reported (seen {seen})", 15.0)
         assert seen[0][0] == "127.0.0.1:8998" and "while disconnected" in seen[0][1]
-        client.silent = False  # the stream delivers again: the watch itself reports the next one
+        client.held = False  # the stream delivers again: the watch itself reports the next one
         await wait_until(lambda: watch.connected, "connected once the stream delivers", 15.0)
         await etcd.put(key, _record(3.0))
         await wait_until(lambda: len(seen) >= 2, f"the next restart reported (seen {seen})", 15.0)

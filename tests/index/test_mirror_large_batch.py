@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 import pytest
 from agent_helpers import eventually
 
-from index.etcd import EtcdClient, EtcdSettings, WatchBatch
+from etcd_fakes import HeldWatchClient
+from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout
 from index.lease import LeaseSession, cancel_and_wait
 from index.mirror import BlockMirror, BlockMirrorConfig
@@ -86,26 +87,6 @@ async def test_mirror_catches_up_after_100k_blocks_and_their_removal(
     finally:
         await writer.close()
         await cancel_and_wait(lease_task)
-
-
-class HeldWatchClient(EtcdClient):
-    """A real client whose watches, while ``held``, pass on only their first response (etcd's
-    "created", sent before any event) and then nothing: the way a stream looks while etcd is
-    still producing a very large revision."""
-
-    def __init__(self, settings: EtcdSettings) -> None:
-        super().__init__(settings)
-        self.held = False
-
-    async def watch_prefix(self, prefix: bytes, start_revision: int,  # type: ignore[override]
-                           progress_every: float | None = None,
-                           fragment: bool = False) -> AsyncIterator[WatchBatch]:
-        first = True
-        async for batch in super().watch_prefix(prefix, start_revision, progress_every, fragment):
-            if self.held and not first:
-                continue
-            first = False
-            yield batch
 
 
 async def test_connected_is_false_while_behind_a_stalled_watch(
