@@ -1,4 +1,4 @@
-"""The block-hash contract of DESIGN.md (shared by engine, index and router).
+"""The block-hash contract of docs/architecture.md (shared by engine, index and router).
 
 Full blocks of ``block_size`` tokens only. ``local_i = xxh3_64(tokens of block i as little-endian
 uint32, seed)``; ``h_0 = local_0``; ``h_i = xxh3_64(le_u64(h_{i-1}) || le_u64(local_i), seed)``.

@@ -1,4 +1,4 @@
-"""KV data plane: a prefill rank's sender and a decode rank's receiver (see DESIGN.md).
+"""KV data plane: a prefill rank's sender and a decode rank's receiver (see docs/architecture.md).
 
 Imports nothing of kvatlas outside this package. How the workers use it:
 

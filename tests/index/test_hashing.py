@@ -1,4 +1,4 @@
-"""The block-hash contract of DESIGN.md, checked against hashes computed here from ``xxhash``
+"""The block-hash contract of docs/architecture.md, checked against hashes computed here from ``xxhash``
 directly (the expected values never come from ``index.hashing`` itself).
 
 The model is not part of the hash: it is part of the etcd key path
