@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 from array import array
 
-MAX_ROOM = 2**63 - 1
+from index.rooms import ROUTER_ROOMS
+
+MAX_ROOM = ROUTER_ROOMS.high
 _BATCH = 1024
 _rooms: list[int] = []
 
@@ -26,6 +28,7 @@ def new_room() -> int:
 def _refill() -> None:
     words = array("Q", os.urandom(8 * _BATCH))
     # 63 random bits each; the one value >= MAX_ROOM is dropped, so the rest stay uniform.
+    # (The shift and the +1 assume ROUTER_ROOMS is [1, 2^63-1]; tests/router/test_rooms.py.)
     _rooms.extend((w >> 1) + 1 for w in words if w >> 1 < MAX_ROOM)
 
 

@@ -11,7 +11,6 @@ through the router is consumed on a decode.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import aiohttp
 from index.errors import EtcdError
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, loads
+from index.rooms import ROUTER_ROOMS
 
 PROBE_PROMPT = ("kvatlas doctor probe: a prompt long enough to fill a few KV blocks, so the "
                 "prefill stores them and the index shows them. ")
@@ -147,7 +147,7 @@ class Doctor:
 
     async def _probe_direct(self, http: aiohttp.ClientSession, iid: str, rec: dict[str, Any],
                             decode: dict[str, Any], boot: str) -> bool:
-        room = secrets.randbelow(2 ** 63 - 1) + 1
+        room = ROUTER_ROOMS.draw()  # a room the router could have drawn
         host = urlsplit(boot).hostname
         body = {"text": PROBE_PROMPT + iid, "sampling_params": {"max_new_tokens": 2,
                                                                   "temperature": 0.0},
