@@ -1,12 +1,49 @@
-"""Errors of the decode-side bootstrap client and the decode -> prefill rank mapping.
+"""The bootstrap layer's exception tree, rooted at ``BootstrapLayerError``.
 
-Every error carries the bootstrap address it concerns, so that one log line on a decode rank tells
-an operator which prefill instance to look at, and its message says what to check or change.
+Two branches: ``BootstrapError`` for the decode-side client (every one carries the bootstrap
+address it concerns, so that one log line on a decode rank tells an operator which prefill
+instance to look at), and ``RequestError`` for what the bootstrap server refuses (each carries its
+HTTP ``status``; ``bootstrap.server``'s middleware is the one place that turns them into answers).
+``TopologyMismatch`` comes from the decode -> prefill rank mapping. Every message says what to
+check or change.
 """
 from __future__ import annotations
 
+from typing import Any
 
-class TopologyMismatch(ValueError):
+
+class BootstrapLayerError(Exception):
+    """Root of the bootstrap layer's errors."""
+
+
+class RequestError(BootstrapLayerError):
+    """A request the bootstrap server refuses: answered ``status`` with ``body()`` as JSON."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def body(self) -> dict[str, Any]:
+        return {"error": str(self)}
+
+
+class BadRequest(RequestError):
+    """Bad input: 400, or 413 for a body over the limit."""
+
+
+class RegistrationError(RequestError):
+    """A registration refused: ``status`` is the HTTP code (400, or 409 when it contradicts the
+    registered topology), ``field`` the offending body field."""
+
+    def __init__(self, status: int, message: str, field: str | None = None) -> None:
+        super().__init__(message, status)
+        self.field = field
+
+    def body(self) -> dict[str, Any]:
+        return {"error": str(self), "field": self.field}
+
+
+class TopologyMismatch(BootstrapLayerError, ValueError):
     """Decode and prefill disagree on something the KV layout depends on.
 
     A mismatch in ``page_size`` or ``kv_cache_dtype`` would make the decode read pages it cannot
@@ -28,7 +65,7 @@ class TopologyMismatch(ValueError):
         )
 
 
-class BootstrapError(Exception):
+class BootstrapError(BootstrapLayerError):
     """A call to a prefill instance's bootstrap server failed.
 
     ``addr`` is the bootstrap address (``host:port``) and ``reason`` a sentence saying what went

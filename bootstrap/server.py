@@ -21,16 +21,17 @@ from aiohttp import web
 
 from bootstrap.config import BootstrapConfig
 from bootstrap.dp_rooms import DpRoomMap
+from bootstrap.errors import BadRequest, RequestError
 from bootstrap.http_limits import NOT_UTF8, body_deadline, bound_reads, utf8_text
 from bootstrap.metrics import BootstrapMetrics
 from bootstrap.mirror import RankMirror
 from bootstrap.table import RankTable, RegistrationError, parse_registration
+from index.rooms import ROOMS
 
 logger = logging.getLogger(__name__)
 
 ROUTE_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 MISSING_INPUTS = "Missing inputs for bootstrap server."
-MAX_ROOM = 2**64 - 1
 _INT_RE = re.compile(r"\s*[-+]?\d{1,19}\s*")
 
 
@@ -48,14 +49,6 @@ class BootstrapState:
 
 
 STATE = web.AppKey("bootstrap_state", BootstrapState)
-
-
-class BadRequest(Exception):
-    """Bad input: answered as ``{"error": message}`` with ``status``."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def _error(status: int, message: str, **extra: Any) -> web.Response:
@@ -107,8 +100,8 @@ def _lenient_int(value: Any, name: str) -> int:
 
 def _room(value: Any, name: str) -> int:
     room = _lenient_int(value, name)
-    if not 0 <= room <= MAX_ROOM:
-        raise BadRequest(f"'{name}' must be in 0..2^64-1, got {room}")
+    if room not in ROOMS:  # the range SGLang accepts (index.rooms), not all a u64 can hold
+        raise BadRequest(f"'{name}' must be in {ROOMS}, got {room}")
     return room
 
 
@@ -133,8 +126,8 @@ async def _guard(request: web.Request,
             return resp
     try:
         return await handler(request)
-    except BadRequest as exc:
-        return _error(exc.status, str(exc))
+    except RequestError as exc:  # the one place the server's refusals become answers
+        return web.json_response(exc.body(), status=exc.status)
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise  # a redirect, or an answer that already says why (a 408 of body_deadline)
@@ -161,7 +154,7 @@ async def route_put(request: web.Request) -> web.Response:
         outcome = state.table.register(reg)
     except RegistrationError as exc:
         state.metrics.registrations.labels("conflict" if exc.status == 409 else "invalid").inc()
-        return _error(exc.status, str(exc), field=exc.field)
+        raise
     state.metrics.registrations.labels(outcome).inc()
     if state.mirror is not None and outcome != "unchanged":
         state.mirror.publish_cell(reg.cell)

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from bootstrap.errors import RegistrationError  # raised here; callers may import it from here
+
 logger = logging.getLogger(__name__)
 
 Cell = tuple[int, int, int, int]  # (dp, cp, tp, pp)
@@ -29,15 +31,6 @@ DECODE_NULL_FIELDS = ("target_tp_rank", "target_tp_ranks", "target_cp_ranks", "t
 _HOSTNAME_RE = re.compile(
     r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
 )
-
-
-class RegistrationError(Exception):
-    """A registration refused: ``status`` is the HTTP code, ``field`` the offending body field."""
-
-    def __init__(self, status: int, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.field = field
 
 
 @dataclass(frozen=True)

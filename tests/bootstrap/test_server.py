@@ -139,6 +139,21 @@ async def test_bad_input_is_400_json_naming_the_problem(client: TestClient, meth
     assert table["registered_ranks"] == 0 and table["topology"] is None
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/register_dp_rank", {"bootstrap_room": 2**63, "dp_rank": 0}),
+    ("/query_dp_ranks", {"bootstrap_rooms": [5, 2**63]}),
+])
+async def test_room_above_sglangs_range_is_400_naming_it(client: TestClient, path: str,
+                                                         body: dict[str, Any]) -> None:
+    # SGLang takes rooms in [0, 2^63-1] (index.rooms.ROOMS); a u64 above it is refused, not kept.
+    resp = await client.post(path, json=body)
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert "[0, 2^63-1]" in error and str(2**63) in error
+    resp = await client.post("/register_dp_rank", json={"bootstrap_room": 0, "dp_rank": 0})
+    assert resp.status == 200  # the range's low end is SGLang's too
+
+
 @pytest.mark.parametrize("value", ["abc", "1.5", "0x1", "--1", "1e3"])
 async def test_non_integer_query_parameter_is_400_json(client: TestClient, value: str) -> None:
     await client.put("/route", json=rank_body())
