@@ -13,10 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from router.workers import Worker
+from typing import Any, Protocol
 
 FLAG = "router --max-prompt-tokens"
 
@@ -38,6 +35,17 @@ class Stated:
 
     prompt: Limit | None = None
     body: Limit | None = None
+
+
+class StatesLimits(Protocol):
+    """What ``WorkerLimits.rebuild`` reads of a worker (``router.workers.Worker``); a protocol,
+    so that this module does not import the one that imports it."""
+
+    @property
+    def model(self) -> str | None: ...
+
+    @property
+    def limits(self) -> Stated: ...
 
 
 def stated_limits(info: Any, instance_id: str) -> Stated:
@@ -80,7 +88,7 @@ class WorkerLimits:
         by_model = self._prompt
         return by_model[model] if model in by_model else by_model.get(None, self.flag)
 
-    def rebuild(self, workers: Iterable[Worker]) -> None:
+    def rebuild(self, workers: Iterable[StatesLimits]) -> None:
         stated = [(w.model, w.limits) for w in workers]
         prompts = [(m, s.prompt) for m, s in stated if s.prompt is not None]
         by_model: dict[str | None, Limit] = {}

@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import json
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import parse_qsl
 
-if TYPE_CHECKING:
-    from router.http.server import HttpProtocol
+
+class Connection(Protocol):
+    """What a request and a stream use of their connection (``router.http.server.HttpProtocol``);
+    a protocol, so that this module does not import the server that imports it."""
+
+    streaming: bool
+
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+    def close(self) -> None: ...
+
 
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
 
@@ -42,7 +53,7 @@ class Request:
                  "_conn", "_query", "size")
 
     def __init__(self, method: str, path: str, query_string: str, headers: dict[str, str],
-                 body: bytes, keep_alive: bool, conn: HttpProtocol,
+                 body: bytes, keep_alive: bool, conn: Connection,
                  http10: bool = False) -> None:
         self.http10 = http10
         self.method = method
@@ -106,7 +117,7 @@ class Stream:
 
     __slots__ = ("_conn", "ended", "chunked")
 
-    def __init__(self, conn: HttpProtocol, chunked: bool = True) -> None:
+    def __init__(self, conn: Connection, chunked: bool = True) -> None:
         self._conn = conn
         self.ended = False
         self.chunked = chunked
