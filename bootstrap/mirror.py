@@ -14,10 +14,11 @@ from typing import Any
 from bootstrap.config import BootstrapConfig
 from bootstrap.table import Cell, RankEntry, RankTable
 from index.claim import ensure_id_free
-from index.errors import EtcdError, InstanceIdInUse
+from index.errors import EtcdError
 from index.etcd import EtcdClient
 from index.keys import dumps
 from index.lease import LeaseSession, cancel_and_wait
+from index.lifecycle import undo_on_failure
 from index.owned import LeasedKeys
 
 logger = logging.getLogger(__name__)
@@ -101,21 +102,26 @@ class RankMirror:
     # --- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect and start mirroring; InstanceIdInUse when a live process holds the id."""
-        try:
-            await self.client.connect()
-        except EtcdError as exc:
-            # The lease loop connects again by itself; the server serves from memory meanwhile.
-            logger.warning("etcd not reachable at start, serving from memory and retrying: %s", exc)
-        else:
-            iid = self.config.instance_id
+        """Connect and start mirroring; InstanceIdInUse when a live process holds the id. When a
+        step fails, the steps before it are undone in reverse order (``index.lifecycle``)."""
+        async with undo_on_failure() as undo:
+            undo.push_async_callback(self.client.close)
             try:
+                await self.client.connect()
+            except EtcdError as exc:
+                # The lease loop connects again by itself; the server serves from memory
+                # meanwhile.
+                logger.warning("etcd not reachable at start, serving from memory and retrying: "
+                               "%s", exc)
+            else:
+                iid = self.config.instance_id
                 await ensure_id_free(self.client, self.layout.instance(iid), iid)
-            except InstanceIdInUse:
-                await self.client.close()
-                raise
-        self._tasks = [asyncio.create_task(self.session.run(), name="bootstrap-lease"),
-                       asyncio.create_task(self.keys.run(), name="bootstrap-mirror")]
+            # Revoked after the tasks are stopped, so nothing renews or rewrites it.
+            undo.push_async_callback(self.session.revoke)
+            self._tasks = []
+            undo.push_async_callback(lambda: cancel_and_wait(*self._tasks))
+            self._tasks.append(asyncio.create_task(self.session.run(), name="bootstrap-lease"))
+            self._tasks.append(asyncio.create_task(self.keys.run(), name="bootstrap-mirror"))
 
     async def close(self, revoke: bool = True) -> None:
         """Stop mirroring; with ``revoke`` the lease is revoked so every key vanishes now."""

@@ -30,13 +30,14 @@ import zmq
 from index.agent_stats import StatsPublisher
 from index.block_index import GPU, BlockIndex
 from index.claim import ensure_id_free
-from index.errors import EtcdError, InstanceIdInUse
+from index.errors import EtcdError
 from index.etcd import EtcdClient, EtcdSettings
 from index.events.ingest import InstanceIngestor
 from index.events.subscriber import KVEventSubscriber, SubscriberConfig
 from index.hashing import DEFAULT_BLOCK_SIZE
 from index.keys import KeyLayout, dumps, validate_instance_id, validate_model
 from index.lease import LeaseSession, cancel_and_wait
+from index.lifecycle import undo_on_failure
 from index.owned import LeasedKeys
 from index.writer import BlockWriter, BlockWriterConfig
 
@@ -285,44 +286,50 @@ class IndexAgent:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
+        """Start every part; when a step fails (InstanceIdInUse, a bad endpoint, anything) the
+        steps before it are undone in reverse order (``index.lifecycle``) and the error goes on."""
         cfg = self.config
-        try:
-            await self.subscriber.start()
-        except zmq.ZMQError as exc:
-            await self.subscriber.close()
-            verb = "bind" if cfg.events.binds else "connect to"
-            raise AgentError(cfg.instance_id, f"cannot {verb} KV-event endpoint "
-                             f"{cfg.events.endpoint}: {exc}; check --kv-events") from None
-        try:
-            await self.client.connect()
-        except EtcdError as exc:
-            # The lease loop keeps trying; events are indexed in memory meanwhile and written
-            # by the writer's resync once etcd answers.
-            logger.warning("etcd not reachable at start, retrying: %s", exc)
-        else:
+        async with undo_on_failure() as undo:
+            # The subscriber keeps its socket even when binding fails: close it in any case.
+            undo.push_async_callback(self.subscriber.close)
             try:
+                await self.subscriber.start()
+            except zmq.ZMQError as exc:
+                verb = "bind" if cfg.events.binds else "connect to"
+                raise AgentError(cfg.instance_id, f"cannot {verb} KV-event endpoint "
+                                 f"{cfg.events.endpoint}: {exc}; check --kv-events") from None
+            undo.push_async_callback(self.client.close)
+            try:
+                await self.client.connect()
+            except EtcdError as exc:
+                # The lease loop keeps trying; events are indexed in memory meanwhile and written
+                # by the writer's resync once etcd answers.
+                logger.warning("etcd not reachable at start, retrying: %s", exc)
+            else:
                 await ensure_id_free(self.client, cfg.layout.instance(cfg.instance_id),
                                      cfg.instance_id, source=SOURCE)
-            except InstanceIdInUse:
-                await self.subscriber.close()
-                await self.client.close()
-                raise
-        self._tasks = [
-            asyncio.create_task(self.session.run(), name="agent-lease"),
-            self.writer.start(),
-            asyncio.create_task(self.record.run(), name="agent-record"),
-            asyncio.create_task(self.publisher.run(), name="agent-stats"),
-        ]
+            # Revoked after the tasks below are stopped, so nothing renews or rewrites it.
+            undo.push_async_callback(self.session.revoke)
+            self._tasks = []
+            undo.push_async_callback(self._stop_tasks)
+            self._tasks.append(asyncio.create_task(self.session.run(), name="agent-lease"))
+            undo.push_async_callback(self.writer.close)
+            self._tasks.append(self.writer.start())
+            self._tasks.append(asyncio.create_task(self.record.run(), name="agent-record"))
+            self._tasks.append(asyncio.create_task(self.publisher.run(), name="agent-stats"))
         logger.info("index agent %s (%s) started: KV events %s %s, etcd %s", cfg.instance_id,
                     cfg.model, "bound at" if cfg.events.binds else "from", cfg.events.endpoint,
                     cfg.etcd.display)
+
+    async def _stop_tasks(self) -> None:
+        await cancel_and_wait(*self._tasks)
+        self._tasks = []
 
     async def close(self, revoke: bool = True) -> None:
         """Stop; with ``revoke`` every key of the instance is deleted now (clean shutdown)."""
         await self.subscriber.close()
         await self.writer.close()
-        await cancel_and_wait(*self._tasks)
-        self._tasks = []
+        await self._stop_tasks()
         if revoke:
             await self.session.revoke()
         await self.client.close()

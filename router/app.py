@@ -107,28 +107,31 @@ class RouterApp:
         m.child(m.requests, "rejected", str(status)).inc()
 
     async def start(self, host: str | None = None, port: int | None = None) -> int:
-        """Start the background work and listen; returns the bound port."""
+        """Start the background work and listen; returns the bound port.
+
+        Every step goes on one exit stack, which ``close()`` unwinds: when a step fails, the
+        ones before it are undone in reverse order (listeners, health checks, etcd, upstreams)."""
         try:
             await self._stack.enter_async_context(self._upstreams_ctx())
             await self._stack.enter_async_context(self._etcd_ctx())
             await self._stack.enter_async_context(self._health_ctx())
+            self._stack.push_async_callback(
+                lambda: self.server.close(grace=self.config.shutdown_grace))
             self.port = await self.server.start(host or self.config.host,
                                                 self.config.port if port is None else port)
             if self.config.prometheus_port is not None:
-                self.metrics_server = HttpServer(self.handle_metrics_port, max_body=1024)
-                self.metrics_port = await self.metrics_server.start(
+                metrics_server = self.metrics_server = HttpServer(self.handle_metrics_port,
+                                                                  max_body=1024)
+                self._stack.push_async_callback(lambda: metrics_server.close(grace=0))
+                self.metrics_port = await metrics_server.start(
                     self.config.prometheus_host, self.config.prometheus_port)
         except BaseException:
-            await self.server.close()
             await self._stack.aclose()
             raise
         return self.port
 
     async def close(self) -> None:
         """Stop listening, let requests in flight finish (``shutdown_grace``), then stop."""
-        if self.metrics_server is not None:
-            await self.metrics_server.close(grace=0)
-        await self.server.close(grace=self.config.shutdown_grace)
         await self._stack.aclose()
 
     @contextlib.asynccontextmanager
@@ -145,25 +148,23 @@ class RouterApp:
         if cfg.etcd is None:
             yield
             return
-        client = EtcdClient(cfg.etcd)
-        try:
-            await client.connect()
-        except EtcdError as exc:
-            # The mirror and discovery loops keep retrying; static workers serve meanwhile.
-            logger.warning("etcd not reachable at start (%s); retrying in the background", exc)
-        state.mirror = BlockMirror(client, cfg.layout, cfg.model)
-        state.discovery = InstanceDiscovery(client, cfg.layout, state.pools, cfg.model)
-        tasks = [state.mirror.start(),
-                 asyncio.create_task(state.discovery.run(), name="router-discovery")]
-        try:
+        async with contextlib.AsyncExitStack() as stack:
+            # Closed in reverse order, also when a later part fails to start.
+            client = EtcdClient(cfg.etcd)
+            stack.push_async_callback(client.close)
+            try:
+                await client.connect()
+            except EtcdError as exc:
+                # The mirror and discovery loops keep retrying; static workers serve meanwhile.
+                logger.warning("etcd not reachable at start (%s); retrying in the background",
+                               exc)
+            state.mirror = BlockMirror(client, cfg.layout, cfg.model)
+            stack.push_async_callback(state.mirror.close)
+            state.mirror.start()
+            state.discovery = InstanceDiscovery(client, cfg.layout, state.pools, cfg.model)
+            stack.push_async_callback(state.discovery.close)
+            state.discovery.start()
             yield
-        finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-            await client.close()
 
     @contextlib.asynccontextmanager
     async def _health_ctx(self) -> AsyncIterator[None]:

@@ -51,8 +51,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 async def serve(config: BootstrapConfig) -> None:
     """Serve until SIGTERM/SIGINT, then shut down cleanly (the lease is revoked)."""
     runner = make_runner(create_app(config), access_log=None)
-    await runner.setup()
     try:
+        # Inside the try: a start-up step that fails (the mirror's, the sweeper's) leaves the
+        # steps before it to runner.cleanup(), which exits the contexts that did start.
+        await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         try:
             await site.start()
