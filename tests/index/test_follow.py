@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 from agent_helpers import eventually
-
 from etcd_fakes import CutWatchClient
+
 from index.etcd import EtcdClient, EtcdSettings, KeyValue, WatchEvent
 from index.follow import PrefixFollower
 from index.keys import KeyLayout

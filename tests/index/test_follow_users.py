@@ -22,9 +22,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 from agent_helpers import eventually
+from etcd_fakes import CutWatchClient, HeldWatchClient
 
 from engine.pd.restarts import PrefillRestarts
-from etcd_fakes import CutWatchClient, HeldWatchClient
 from index.errors import EtcdError
 from index.etcd import EtcdClient, EtcdSettings
 from index.follow import PrefixFollower
