@@ -41,11 +41,17 @@ class TransferState(enum.IntEnum):
         return self in (TransferState.SUCCESS, TransferState.FAILED)
 
 
-class InvalidTransition(RuntimeError):
+class TransferLayerError(Exception):
+    """Root of the transfer layer's errors: ``TransferError`` (a transfer failed),
+    ``transfer.wire.WireError`` (a message that cannot be decoded), ``InvalidTransition`` (a
+    bug) and ``transfer.backends.cuda_ipc.BackendUnavailable`` (a backend this machine lacks)."""
+
+
+class InvalidTransition(TransferLayerError, RuntimeError):
     """A programming error: a transfer was moved backwards, sideways, or out of a terminal state."""
 
 
-class TransferError(Exception):
+class TransferError(TransferLayerError):
     """A transfer of ``room`` failed; ``reason`` says what went wrong and what to check.
 
     ``peer`` names the other side (an endpoint), ``stage`` the state reached when it failed,

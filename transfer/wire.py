@@ -30,6 +30,7 @@ import xxhash
 
 from transfer import auth as _auth
 from transfer.auth import TransferAuth
+from transfer.base import TransferLayerError
 from transfer.layout import KVLayout
 
 WIRE_VERSION = 3
@@ -38,7 +39,7 @@ CHECKSUM_XXH3 = "xxh3_64"
 ABORT_UNREGISTERED = "unregistered"
 
 
-class WireError(ValueError):
+class WireError(TransferLayerError, ValueError):
     """A message that cannot be decoded: wrong version, unknown kind, missing or bad field.
 
     ``kind`` and ``transfer_id`` are what the header claims, where it parsed: only to name the
@@ -332,6 +333,17 @@ def pack(buffers: Sequence[Any]) -> bytes:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+ROOM_RANGE = "[1, 2^64)"
+"""The rooms the wire carries: a msgpack uint64, 0 left out. The room policy (SGLang's range)
+is the callers' (``index/rooms.py``, which transfer may not import); this is only what the
+data plane can hold, checked in one place."""
+
+
+def is_room(v: Any) -> bool:
+    """Whether ``v`` is a room the wire carries (ROOM_RANGE); a bool is not one."""
+    return _is_int(v) and 0 < v < 2**64
 
 
 def _check_pages(msg: Pages) -> None:

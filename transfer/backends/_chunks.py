@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from transfer import wire
+
 
 def plan_chunks(num_pages: int, layers: tuple[int, int], layer_page_bytes: int,
                 chunk_bytes: int) -> list[tuple[tuple[int, int], int, int]]:
@@ -27,8 +29,8 @@ def plan_chunks(num_pages: int, layers: tuple[int, int], layer_page_bytes: int,
 
 
 def check_room(room: int) -> None:
-    if not isinstance(room, int) or isinstance(room, bool) or not 0 < room < 2 ** 64:
-        raise ValueError(f"bootstrap_room must be an integer in [1, 2^64), got {room!r}")
+    if not wire.is_room(room):
+        raise ValueError(f"bootstrap_room must be an integer in {wire.ROOM_RANGE}, got {room!r}")
 
 
 def flip_first_byte(buf: Any) -> bytes:

@@ -90,8 +90,8 @@ def check_request(req: wire.Request, decode_pages: int, own_pages: int) -> str:
     """Why ``req`` is refused ("" when it is fine): its ids must be distinct pages of the
     decode's pool, and no more of them than this rank's pool holds."""
     ids = req.dst_page_ids
-    if not (isinstance(req.room, int) and 0 < req.room < 2 ** 64):
-        return f"bootstrap_room {req.room!r} is not in [1, 2^64)"
+    if not wire.is_room(req.room):
+        return f"bootstrap_room {req.room!r} is not in {wire.ROOM_RANGE}"
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                for v in (req.transfer_id, req.dst_rank, req.num_requesters)):
         return "transfer_id, dst_rank and num_requesters must be non-negative integers"

@@ -32,6 +32,7 @@ import torch
 from transfer import auth, wire
 from transfer.backends._receiver_checks import (PeerRx, check_coverage, chunk_problems,
                                                 requesters)
+from transfer.backends._chunks import check_room
 from transfer.backends._receiver_write import PoolWriter
 from transfer.backends.base import KVReceiver, ReceiveResult
 from transfer.base import (TRANSFER_KEY_ENV, TransferConfig, TransferError, TransferState,
@@ -188,8 +189,7 @@ class ProtocolReceiver(KVReceiver):
         if room in self._by_room or room in self._finished:
             raise TransferError(room, "this decode rank already has a transfer for this room; the "
                                 "router must draw a new bootstrap_room for every attempt")
-        if not isinstance(room, int) or isinstance(room, bool) or not 0 < room < 2 ** 64:
-            raise ValueError(f"bootstrap_room must be an integer in [1, 2^64), got {room!r}")
+        check_room(room)
         if not peers:
             raise ValueError("receive() needs at least one prefill peer")
         dst = [int(p) for p in dst_page_ids]

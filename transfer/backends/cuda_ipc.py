@@ -26,7 +26,7 @@ import torch
 from transfer.backends._receiver_core import ReleasePages
 from transfer.backends._sender_core import _Registration
 from transfer.backends.zmq_backend import ZmqReceiver, ZmqSender
-from transfer.base import TransferConfig, TransferError
+from transfer.base import TransferConfig, TransferError, TransferLayerError
 from transfer.layout import KVLayout, PageSource, dtype_from_name, dtype_name, tensor_bytes
 from transfer import wire
 
@@ -36,7 +36,7 @@ MODES = ("auto", "ipc", "staged")
 KEEP_OPENED = 4
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(TransferLayerError, RuntimeError):
     """This backend cannot run on this machine; the message says what to use instead."""
 
 
