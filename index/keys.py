@@ -1,4 +1,4 @@
-"""The etcd key layout of DESIGN.md. Values are JSON so that ``etcdctl get --prefix`` is readable.
+"""The etcd key layout of docs/architecture.md. Values are JSON so that ``etcdctl get --prefix`` is readable.
 
 ``/{prefix}/v1/instances/{instance_id}``
 ``/{prefix}/v1/ranks/{instance_id}/{dp}/{cp}/{tp}/{pp}``
@@ -13,6 +13,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote
+
+DEFAULT_PREFIX = "/kvatlas"
+"""The etcd key prefix every component uses unless told otherwise (``--etcd-prefix``)."""
 
 _HASH_RE = re.compile(r"[0-9a-f]{16}")
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -46,7 +49,7 @@ def loads(raw: bytes) -> Any:
 class KeyLayout:
     """Builds and parses kvatlas's etcd keys under one prefix (default ``/kvatlas``)."""
 
-    prefix: str = "/kvatlas"
+    prefix: str = DEFAULT_PREFIX
 
     def __post_init__(self) -> None:
         if not self.prefix.startswith("/") or self.prefix.endswith("/") or "//" in self.prefix:

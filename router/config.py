@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from index.etcd import EtcdSettings
-from index.keys import KeyLayout, validate_model
+from index.keys import DEFAULT_PREFIX, KeyLayout, validate_model
 
 ADMIN_TOKEN_ENV = "KVATLAS_ADMIN_TOKEN"
 """Where ``--admin-token`` is read from when not given."""
@@ -56,7 +56,7 @@ class RouterConfig:
     """HTTP port."""
     etcd: EtcdSettings | None = None
     """etcd to discover workers and follow the block index from; None: static workers only."""
-    etcd_prefix: str = "/kvatlas"
+    etcd_prefix: str = DEFAULT_PREFIX
     """Key prefix of the kvatlas keys in etcd."""
     model: str | None = None
     """Served model name: only instances of this model join the pools, and its block index is
@@ -327,7 +327,7 @@ class RouterConfig:
             prefill.append((item[0], item[1] if len(item) == 2 else None))
         return cls(
             host=args.host, port=args.port, etcd=etcd,
-            etcd_prefix=getattr(args, "etcd_prefix", "/kvatlas"), model=args.model,
+            etcd_prefix=getattr(args, "etcd_prefix", DEFAULT_PREFIX), model=args.model,
             policy=args.policy, prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy, prefill=prefill, decode=list(args.decode),
             admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,

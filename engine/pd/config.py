@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from bootstrap.config import AUTH_TOKEN_ENV, DEFAULT_PORT
 from engine.serve_config import EngineServerConfig
 from index.etcd import EtcdSettings
-from index.keys import validate_instance_id
+from index.keys import DEFAULT_PREFIX, validate_instance_id
 from transfer import BACKENDS, TransferConfig
 from transfer.layout import DTYPES
 
@@ -47,7 +47,7 @@ class PDConfig:
     """Transfer timeouts and the heartbeat (interval, misses)."""
     etcd: EtcdSettings | None = None
     """Register the instance (and, on a prefill, its prefix-cache blocks) in etcd."""
-    etcd_prefix: str = "/kvatlas"
+    etcd_prefix: str = DEFAULT_PREFIX
     """etcd key prefix."""
     lease_ttl: int = 10
     """TTL of the instance lease."""

@@ -5,7 +5,7 @@ import argparse
 import os
 
 from index.etcd import EtcdSettings
-from index.keys import KeyLayout
+from index.keys import DEFAULT_PREFIX, KeyLayout
 
 ETCD_PASSWORD_ENV = "KVATLAS_ETCD_PASSWORD"
 """Where ``--etcd-password`` is read from when not given (with ``--etcd-user``)."""
@@ -17,7 +17,8 @@ def add_etcd_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("etcd")
     g.add_argument("--etcd", default=None, metavar="HOST:PORT[,HOST:PORT]",
                    help=f"etcd endpoints (default {DEFAULT_ETCD})")
-    g.add_argument("--etcd-prefix", default="/kvatlas", help="key prefix (default /kvatlas)")
+    g.add_argument("--etcd-prefix", default=DEFAULT_PREFIX,
+                   help=f"key prefix (default {DEFAULT_PREFIX})")
     g.add_argument("--etcd-timeout", type=float, default=5.0, help="seconds per etcd call")
     g.add_argument("--etcd-user", default=None, help="etcd user (with --etcd-password)")
     g.add_argument("--etcd-password", default=None,

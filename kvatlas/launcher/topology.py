@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from bootstrap.config import AUTH_TOKEN_ENV
-from index.keys import KeyLayout, validate_model
+from index.keys import DEFAULT_PREFIX, KeyLayout, validate_model
 from kvatlas.commands._common import ETCD_PASSWORD_ENV
 from kvatlas.etcd_proc import COMPACTION_ARGS, free_port
 from router.config import ADMIN_TOKEN_ENV
@@ -105,7 +105,7 @@ class ComposeNetwork:
 class EtcdClientFlags:
     """The etcd client's TLS and auth options, passed through to every process that dials etcd."""
 
-    prefix: str = "/kvatlas"
+    prefix: str = DEFAULT_PREFIX
     user: str | None = None
     password: str | None = None
     ca: str | None = None
@@ -113,7 +113,7 @@ class EtcdClientFlags:
     key: str | None = None
 
     def args(self) -> list[str]:
-        out = ["--etcd-prefix", self.prefix] if self.prefix != "/kvatlas" else []
+        out = ["--etcd-prefix", self.prefix] if self.prefix != DEFAULT_PREFIX else []
         for flag, value in (("--etcd-user", self.user), ("--etcd-password", self.password),
                             ("--etcd-ca", self.ca), ("--etcd-cert", self.cert),
                             ("--etcd-key", self.key)):
