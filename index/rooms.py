@@ -1,8 +1,9 @@
 """The bootstrap room range, defined once.
 
 A bootstrap room names one request's KV transfer between a prefill and a decode. SGLang accepts
-rooms in [0, 2^63-1], so every layer that validates a room checks it against ``ROOMS``; the router draws from ``ROUTER_ROOMS``, which leaves out 0 because
-some engines treat room 0 as "unset". This module lives in ``index/`` because that is the one
+rooms in [0, 2^63-1], so every layer that validates a room checks it against ``ROOMS``; the
+router draws from ``ROUTER_ROOMS``, which leaves out 0 because some engines treat room 0 as
+"unset". This module lives in ``index/`` because that is the one
 layer the router, the bootstrap server and the engine may all import. ``transfer/`` imports
 nothing of ours: it checks only what its wire carries (a non-zero msgpack uint64).
 """

@@ -1,8 +1,10 @@
 """Errors of KV-event decoding."""
 from __future__ import annotations
 
+from index.errors import IndexLayerError
 
-class MalformedEvent(ValueError):
+
+class MalformedEvent(IndexLayerError, ValueError):
     """A KV-event message that cannot be decoded; it is counted and dropped, never applied.
 
     ``reason`` is a short stable label (used as a metric label), ``detail`` says what was wrong so
