@@ -10,13 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-
-class Overloaded(Exception):
-    """No slot for this request: ``status`` is 429 (queue full) or 408 (waited too long)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+from router.errors import Overloaded
 
 
 class Admission:

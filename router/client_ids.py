@@ -13,7 +13,7 @@ import json
 import secrets
 from typing import Any, Union
 
-from router.requests import BadRequest
+from router.errors import BadRequest
 
 ClientRid = Union[str, list[str]]
 """A client's ``rid``: a string, or one string per item of a batch."""

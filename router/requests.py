@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from router.errors import BadRequest
 from router.limits import Limit, WorkerLimits
 from router.policy import prompt_hashes
 from router.rooms import new_room
@@ -25,16 +26,6 @@ GENERATE = "generate"
 COMPLETIONS = "completions"
 CHAT = "chat"
 MAX_TOKEN_ID = 2**32 - 1
-
-
-class BadRequest(Exception):
-    """A client error: HTTP ``status`` with ``{"error": message}``."""
-
-    def __init__(self, field: str, reason: str, status: int = 400) -> None:
-        super().__init__(f"{field}: {reason}" if field else reason)
-        self.field = field
-        self.reason = reason
-        self.status = status
 
 
 @dataclass

@@ -18,13 +18,17 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from router.errors import RouterError
 from router.http.headers import decode_headers, encode_headers
 
 STREAM_HIGH_WATER = 1 << 20
 
 
-class UpstreamError(Exception):
-    """A call to ``origin`` failed before a complete answer arrived."""
+class UpstreamError(RouterError):
+    """A call to ``origin`` failed before a complete answer arrived (the dispatcher retries
+    elsewhere or answers 502 itself; ``status`` is for one that escaped it)."""
+
+    status = 502
 
     def __init__(self, origin: str, reason: str) -> None:
         super().__init__(f"{origin}: {reason}")

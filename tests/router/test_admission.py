@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from router.admission import Admission, Overloaded
+from router.admission import Admission
+from router.errors import Overloaded
 
 
 async def test_slots_then_fifo_queue_then_429() -> None:

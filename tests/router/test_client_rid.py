@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from router.client_ids import RidEcho, client_rid
-from router.requests import BadRequest
+from router.errors import BadRequest
 
 
 async def _until(cond: Any) -> None:
