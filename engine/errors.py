@@ -1,5 +1,7 @@
-"""Engine exceptions. Each carries what went wrong and what to change; the HTTP layer maps
-``BadRequest`` to 400, ``DuplicateRequest`` to 409 and ``CapacityError`` to 503."""
+"""Engine exceptions, rooted at ``EngineError`` (``engine.pd.fetch.FetchError``, a decode's failed
+KV fetch, is one too). Each carries what went wrong and what to change; the HTTP layer maps
+``BadRequest`` to 400, ``DuplicateRequest`` to 409 and ``CapacityError`` to 503 in one place
+(``engine.http_common.STATUS_OF``); any other is a 500."""
 from __future__ import annotations
 
 
