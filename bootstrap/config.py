@@ -9,7 +9,8 @@ from typing import Any
 
 from bootstrap.http_limits import READ_TIMEOUT_S, check_read_timeout
 from index.etcd import EtcdSettings
-from index.keys import KeyLayout, validate_instance_id, validate_model
+from index.keys import DEFAULT_PREFIX, KeyLayout, validate_instance_id, validate_model
+from index.record import PREFILL, InstanceRecord
 
 AUTH_TOKEN_ENV = "KVATLAS_AUTH_TOKEN"
 """Where ``--auth-token`` is read from when not given."""
@@ -33,7 +34,7 @@ class BootstrapConfig:
     """Host that decodes should use to reach this server, as written to etcd (default: ``host``)."""
     etcd: EtcdSettings | None = None
     """How to reach etcd for the mirror; None serves from memory only, without a mirror."""
-    etcd_prefix: str = "/kvatlas"
+    etcd_prefix: str = DEFAULT_PREFIX
     """Key prefix in etcd."""
     auth_token: str | None = None
     """When set, PUT and POST need ``Authorization: Bearer <token>``; GETs stay open for decodes."""
@@ -51,7 +52,9 @@ class BootstrapConfig:
     """Seconds a client may take to send a request head, and then its body: a slower one
     (slowloris) is cut off, as on the engine's port (``bootstrap.http_limits``)."""
     instance_fields: dict[str, Any] = field(default_factory=dict)
-    """Extra fields for the etcd instance record (e.g. ``url``); they cannot override core fields."""
+    """More fields for the etcd instance record (``index.record.InstanceRecord``), e.g. ``url``,
+    ``tp_size``: known names fill those fields, others are kept as extra fields; none can
+    override what the server itself publishes (id, role, model, bootstrap address, ranks)."""
 
     def __post_init__(self) -> None:
         validate_instance_id(self.instance_id)
@@ -72,6 +75,8 @@ class BootstrapConfig:
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("auth token must not be empty; omit --auth-token to turn auth off")
         KeyLayout(prefix=self.etcd_prefix)  # validates the prefix
+        # A field of the wrong type fails here, not later on every publish of the record.
+        InstanceRecord.build(self.instance_fields, instance_id=self.instance_id, role=PREFILL)
 
     @property
     def layout(self) -> KeyLayout:
@@ -123,7 +128,7 @@ class BootstrapConfig:
             port=args.port,
             advertise_host=args.advertise_host,
             etcd=None if getattr(args, "no_mirror", False) else etcd,
-            etcd_prefix=getattr(args, "etcd_prefix", "/kvatlas"),
+            etcd_prefix=getattr(args, "etcd_prefix", DEFAULT_PREFIX),
             auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
             lease_ttl=args.lease_ttl,
             dp_room_ttl=args.dp_room_ttl,

@@ -20,10 +20,11 @@ from index.keys import dumps
 from index.lease import LeaseSession, cancel_and_wait
 from index.lifecycle import undo_on_failure
 from index.owned import LeasedKeys
+from index.record import PREFILL, InstanceRecord
 
 logger = logging.getLogger(__name__)
 
-ROLE = "prefill"
+ROLE = PREFILL
 
 
 def rank_value(cell: Cell, entry: RankEntry) -> dict[str, Any]:
@@ -53,10 +54,12 @@ class RankMirror:
 
     # --- desired state ----------------------------------------------------------------------
 
-    def instance_value(self) -> dict[str, Any]:
+    def instance_value(self) -> InstanceRecord:
+        """This prefill's instance record: ``instance_fields`` (known names as fields, the rest
+        kept as extra fields), overridden by what the server itself knows."""
         cfg, table = self.config, self.table
-        value: dict[str, Any] = dict(cfg.instance_fields)
-        value.update({
+        topo = table.topology
+        core: dict[str, Any] = {
             "instance_id": cfg.instance_id,
             "role": ROLE,
             "model": cfg.model,
@@ -66,12 +69,17 @@ class RankMirror:
             "registered_ranks": table.registered,
             "ready": table.ready,
             "started_at": self.started_at,
-            "topology": None if table.topology is None else table.topology.scalars(),
-        })
-        return value
+            "topology": None if topo is None else topo.scalars(),
+        }
+        if topo is not None:
+            # What the ranks registered is the truth about the KV layout decodes will read.
+            core.update(pp_size=topo.pp_size, cp_size=topo.attn_cp_size,
+                        page_size=topo.page_size, kv_cache_dtype=topo.kv_cache_dtype)
+        return InstanceRecord.build(cfg.instance_fields, **core)
 
     def publish_instance(self) -> None:
-        self.keys.set(self.layout.instance(self.config.instance_id), dumps(self.instance_value()))
+        self.keys.set(self.layout.instance(self.config.instance_id),
+                      self.instance_value().to_json())
 
     def publish_cell(self, cell: Cell) -> None:
         """Call after the table stored ``cell``: updates that rank's key and the instance record."""

@@ -30,24 +30,24 @@ import zmq
 from index.agent_stats import StatsPublisher
 from index.block_index import GPU, BlockIndex
 from index.claim import ensure_id_free
-from index.errors import EtcdError
+from index.errors import EtcdError, IndexLayerError
 from index.etcd import EtcdClient, EtcdSettings
 from index.events.ingest import InstanceIngestor
 from index.events.subscriber import KVEventSubscriber, SubscriberConfig
 from index.hashing import DEFAULT_BLOCK_SIZE
-from index.keys import KeyLayout, dumps, validate_instance_id, validate_model
+from index.keys import DEFAULT_PREFIX, KeyLayout, validate_instance_id, validate_model
 from index.lease import LeaseSession, cancel_and_wait
 from index.lifecycle import undo_on_failure
 from index.owned import LeasedKeys
+from index.record import ENGINE_UNKNOWN, ROLES, InstanceRecord
 from index.writer import BlockWriter, BlockWriterConfig
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "monolithic")
 SOURCE = "kv-events"
 
 
-class AgentError(Exception):
+class AgentError(IndexLayerError):
     """The agent cannot start; the message says which setting to change."""
 
     def __init__(self, instance_id: str, reason: str) -> None:
@@ -69,7 +69,7 @@ class AgentConfig:
     """Where the engine's KV events come from (endpoint, replay, topic)."""
     etcd: EtcdSettings = field(default_factory=EtcdSettings)
     """The etcd cluster holding the index."""
-    etcd_prefix: str = "/kvatlas"
+    etcd_prefix: str = DEFAULT_PREFIX
     """Key prefix of every key written."""
     role: str = "prefill"
     """Role written into the instance record when the agent has to create one."""
@@ -128,7 +128,7 @@ class AgentConfig:
         """Build from parsed flags; ``etcd`` is what the CLI built from its etcd flags."""
         return cls(instance_id=args.instance_id, model=args.model,
                    events=SubscriberConfig.from_cli_args(args), etcd=etcd,
-                   etcd_prefix=getattr(args, "etcd_prefix", "/kvatlas"), role=args.role,
+                   etcd_prefix=getattr(args, "etcd_prefix", DEFAULT_PREFIX), role=args.role,
                    block_size=args.block_size, lease_ttl=args.lease_ttl,
                    stats_interval=args.stats_interval)
 
@@ -180,7 +180,7 @@ class WriterIndex(BlockIndex):
         return {self.instance} if len(self.writer) else set()
 
 
-class InstanceRecord:
+class RecordKeeper:
     """Writes the instance record under the agent's lease only while nobody else provides one.
 
     etcd offers no "put if absent" through our client, so this checks every ``interval``: when
@@ -190,7 +190,7 @@ class InstanceRecord:
     record on every rank change and on every new lease, so it wins any such race for good.
     """
 
-    def __init__(self, session: LeaseSession, key: bytes, value: dict[str, Any],
+    def __init__(self, session: LeaseSession, key: bytes, value: InstanceRecord,
                  interval: float) -> None:
         self.session = session
         self.client: EtcdClient = session.client
@@ -231,7 +231,7 @@ class InstanceRecord:
         logger.info("no instance record at %s: writing one under the agent's lease",
                     self.key.decode())
         keys = LeasedKeys(self.session, [])
-        keys.set(self.key, dumps(self.value))
+        keys.set(self.key, self.value.to_json())
         self._keys = keys
         self._keys_task = asyncio.create_task(keys.run(), name="instance-record")
         self.owner = "agent"
@@ -257,6 +257,14 @@ class InstanceRecord:
             await self._drop()
 
 
+def agent_record(config: AgentConfig, started_at: float) -> InstanceRecord:
+    """The record the agent writes when nobody else provides one (``source: "kv-events"``)."""
+    return InstanceRecord(
+        instance_id=config.instance_id, role=config.role, model=config.model, source=SOURCE,
+        kv_events=config.events.endpoint, block_size=config.block_size, started_at=started_at,
+        engine=ENGINE_UNKNOWN)
+
+
 class IndexAgent:
     """Subscriber -> ingestor -> block writer for one instance, all under one lease.
 
@@ -276,11 +284,9 @@ class IndexAgent:
                                          replay=config.events.replay_endpoint is not None)
         self.subscriber = KVEventSubscriber(config.events, self.ingestor)
         self.started_at = time.time()
-        self.record = InstanceRecord(self.session, layout.instance(config.instance_id), {
-            "instance_id": config.instance_id, "role": config.role, "model": config.model,
-            "source": SOURCE, "kv_events": config.events.endpoint, "block_size": config.block_size,
-            "started_at": self.started_at,
-        }, config.record_check_interval)
+        self.record = RecordKeeper(self.session, layout.instance(config.instance_id),
+                                   agent_record(config, self.started_at),
+                                   config.record_check_interval)
         self.publisher = StatsPublisher.with_session(self.session, layout, config.instance_id,
                                                      self.counters, config.stats_interval)
         self._tasks: list[asyncio.Task[None]] = []

@@ -10,12 +10,12 @@ renewal period's look, and its writes then take the keys over.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from urllib.parse import urlsplit
 
-from index.errors import EtcdError, InstanceIdInUse
+from index.errors import EtcdError, InstanceIdInUse, RecordError
 from index.etcd import EtcdClient
+from index.record import InstanceRecord
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,9 @@ async def ensure_id_free(client: EtcdClient, key: bytes, instance_id: str,
     loop = asyncio.get_running_loop()
     try:
         kv = await client.get(key)
-        doc = _record(kv.value) if kv is not None else {}
-        if kv is None or not kv.lease or doc.get("source") != source:
+        rec = _record(kv.value, key, instance_id) if kv is not None else None
+        # An unreadable record names no kind: servers treat it as theirs (as an old one would).
+        if kv is None or not kv.lease or (rec.source if rec else None) != source:
             return
         remaining, granted = await client.lease_ttls(kv.lease)
         replied = loop.time()
@@ -55,25 +56,28 @@ async def ensure_id_free(client: EtcdClient, key: bytes, instance_id: str,
     # `asked - replied` seconds passed: a lease nobody renewed now reads below
     # remaining + 1 - that, so reading as much or more proves a renewal.
     renewed = again >= remaining + SLACK_S - (asked - replied)
-    address = _address(doc)
+    address = _address(rec)
     # The holder's address settles it where the record names one: this process has not bound
     # its own ports yet, so whatever answers there is the holder.
     if renewed and (address is None or await _listens(*address)):
-        raise InstanceIdInUse(instance_id, kv.lease, _holder(doc))
+        raise InstanceIdInUse(instance_id, kv.lease, _holder(rec))
     logger.info("instance id %s: its previous holder is gone; taking over", instance_id)
 
 
-def _record(value: bytes) -> dict[str, object]:
+def _record(value: bytes, key: bytes, instance_id: str) -> InstanceRecord | None:
+    """The record, or None when it cannot be read (then it names no kind and no address)."""
     try:
-        doc = json.loads(value)
-    except ValueError:
-        return {}
-    return doc if isinstance(doc, dict) else {}
+        return InstanceRecord.from_json(value, key=key, instance_id=instance_id)
+    except RecordError as exc:
+        logger.info("instance id %s: %s", instance_id, exc)
+        return None
 
 
-def _address(doc: dict[str, object]) -> tuple[str, int] | None:
+def _address(rec: InstanceRecord | None) -> tuple[str, int] | None:
     """Where the record's holder serves: its HTTP url, else its bootstrap server."""
-    url = doc.get("url")
+    if rec is None:
+        return None
+    url = rec.url
     if isinstance(url, str):
         parts = urlsplit(url)
         try:
@@ -81,8 +85,8 @@ def _address(doc: dict[str, object]) -> tuple[str, int] | None:
                 return parts.hostname, parts.port
         except ValueError:
             return None
-    host, port = doc.get("bootstrap_host"), doc.get("bootstrap_port")
-    if isinstance(host, str) and isinstance(port, int) and not isinstance(port, bool):
+    host, port = rec.bootstrap_host, rec.bootstrap_port
+    if host is not None and port is not None:
         return host, port
     return None
 
@@ -96,7 +100,7 @@ async def _listens(host: str, port: int, timeout: float = 1.0) -> bool:
     return True
 
 
-def _holder(doc: dict[str, object]) -> str:
-    role = str(doc.get("role", "instance"))
-    address = _address(doc)
+def _holder(rec: InstanceRecord | None) -> str:
+    role = rec.role if rec is not None else "instance"
+    address = _address(rec)
     return f"{role} at {address[0]}:{address[1]}" if address else role

@@ -54,6 +54,21 @@ class EtcdRequestError(EtcdError):
     """etcd refused the request itself (too many ops in a txn, bad key, quota exceeded)."""
 
 
+class RecordError(IndexLayerError):
+    """An instance record (``/{prefix}/v1/instances/{id}``) that this kvatlas cannot use.
+
+    ``reason`` is ``"malformed"`` (not JSON, not an object, a missing or ill-typed field) or
+    ``"newer_version"`` (written by a newer kvatlas: upgrade this process); ``key`` names the
+    etcd key, so one log line tells an operator which record to look at.
+    """
+
+    def __init__(self, key: str, reason: str, detail: str) -> None:
+        self.key = key
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"instance record {key or '(no key)'}: {detail}")
+
+
 class InstanceIdInUse(IndexLayerError):
     """Another live process holds this instance id's record in etcd."""
 

@@ -5,7 +5,9 @@ expires and the delete arrives here as a watch event, so pools follow etcd withi
 trip. The get-then-watch loop is ``index.follow.PrefixFollower``: a broken watch resumes from the
 last applied revision + 1 (a delete missed while disconnected still arrives), and a compaction,
 a silent stream or a failure to apply answers with a fresh snapshot that the etcd-sourced
-workers are reconciled with.
+workers are reconciled with. A record that ``index.record`` refuses (malformed, or written by a
+newer kvatlas) is skipped like one without a url, counted by reason in
+``stats()["records_refused"]`` and logged once per key.
 
 A watch on a member that lost its leader neither fails nor delivers events (etcd 3.5 even
 answers progress requests from its local store), so a linearizable probe checks quorum and
@@ -22,6 +24,7 @@ import time
 from index.etcd import EtcdClient, KeyValue, WatchEvent
 from index.follow import PrefixFollower
 from index.keys import KeyLayout
+from index.record import RecordReader
 from router.workers import ROLES, WorkerPools, parse_instance_record
 
 logger = logging.getLogger(__name__)
@@ -41,6 +44,8 @@ class InstanceDiscovery(PrefixFollower):
         self.pools = pools
         self.model = model
         self.synced_at: float | None = None
+        self.records = RecordReader()
+        """Parses the records; counts the refused ones (malformed, newer_version) by reason."""
 
     @property
     def state(self) -> str:
@@ -58,7 +63,8 @@ class InstanceDiscovery(PrefixFollower):
 
     def stats(self) -> dict[str, object]:
         return {"state": self.state, **self.follow_stats(),
-                "probe_error": self.liveness.last_probe_error}
+                "probe_error": self.liveness.last_probe_error,
+                "records_refused": self.records.stats()}
 
     # --- the follower's hooks ---------------------------------------------------------------
 
@@ -80,11 +86,12 @@ class InstanceDiscovery(PrefixFollower):
             if ev.put:
                 self._apply_put(ev.key, ev.value)
             else:
+                self.records.forget(ev.key)
                 self._apply_delete(ev.key)
 
     def _apply_put(self, key: bytes, value: bytes) -> tuple[str, str] | None:
         iid = self.layout.parse_instance(key)
-        rec = parse_instance_record(iid, value)
+        rec = parse_instance_record(iid, value, self.records, key)
         if rec is None or (self.model is not None and rec["model"] not in (None, self.model)):
             self._apply_delete(key)
             return None

@@ -1,10 +1,12 @@
 """Workers and the prefill/decode pools.
 
 A worker comes from one of three sources: a static flag, an etcd instance key, or an admin POST.
-The etcd instance record (``/{prefix}/v1/instances/{id}``, JSON) is read tolerantly; the router
-uses these fields:
+The etcd instance record (``/{prefix}/v1/instances/{id}``) is parsed by ``index.record``: a
+malformed or newer-version record is skipped (counted, logged once per key). The router uses
+these fields:
 
-- ``role``: ``"prefill"`` or ``"decode"`` (records of other roles are ignored);
+- ``role``: ``"prefill"`` or ``"decode"`` (records of other roles, e.g. ``monolithic``, are
+  ignored);
 - ``url``: the worker's HTTP base URL (a record without one cannot be routed to and is skipped);
 - ``model``: the served model (filtered against ``--model`` when given);
 - ``bootstrap_host`` / ``bootstrap_port``: where decodes find the prefill's bootstrap server
@@ -14,21 +16,19 @@ uses these fields:
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from index.record import DECODE, PREFILL, RecordReader
 from router.breaker import CircuitBreaker
-from router.config import RouterConfig, check_url, parse_bootstrap_port
+from router.config import RouterConfig, check_url
 from router.limits import Stated, WorkerLimits, stated_limits
 
 logger = logging.getLogger(__name__)
 
-PREFILL = "prefill"
-DECODE = "decode"
 ROLES = (PREFILL, DECODE)
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -86,36 +86,31 @@ class Worker:
                 "max_body_bytes": self.limits.body.value if self.limits.body else None}
 
 
-def parse_instance_record(instance_id: str, raw: bytes) -> dict[str, Any] | None:
-    """The router's view of one instance record, or None (with a log line) when unusable."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        logger.warning("instance %s: record is not JSON; ignored", instance_id)
+def parse_instance_record(instance_id: str, raw: bytes, reader: RecordReader | None = None,
+                          key: bytes | None = None) -> dict[str, Any] | None:
+    """The router's view of one instance record, or None when unusable.
+
+    ``reader`` (discovery's) counts and logs refused records once per ``key``; without one a
+    module-wide reader does."""
+    rec = (reader or _READER).read(key or instance_id, raw, instance_id=instance_id)
+    if rec is None:
         return None
-    if not isinstance(doc, dict):
-        logger.warning("instance %s: record is not an object; ignored", instance_id)
-        return None
-    role = doc.get("role")
+    role = rec.role
     if role not in ROLES:
         logger.debug("instance %s: role %r is not routable; ignored", instance_id, role)
         return None
     try:
-        url = check_url(doc.get("url"))  # type: ignore[arg-type]
+        url = check_url(rec.url)  # type: ignore[arg-type]
     except ValueError as exc:
         logger.warning("instance %s: no usable url (%s); ignored until it publishes one",
                        instance_id, exc)
         return None
-    try:
-        port = parse_bootstrap_port(doc.get("bootstrap_port"))
-    except ValueError:
-        port = None
-    host = doc.get("bootstrap_host")
-    model = doc.get("model")
-    return {"instance_id": instance_id, "role": role, "url": url,
-            "model": model if isinstance(model, str) else None,
-            "bootstrap_host": host if isinstance(host, str) and host else None,
-            "bootstrap_port": port, "ready": doc.get("ready", True) is not False, "raw": doc}
+    return {"instance_id": instance_id, "role": role, "url": url, "model": rec.model,
+            "bootstrap_host": rec.bootstrap_host or None, "bootstrap_port": rec.bootstrap_port,
+            "ready": rec.ready, "raw": rec.to_dict(), "record": rec}
+
+
+_READER = RecordReader()
 
 
 class WorkerPools:

@@ -18,13 +18,13 @@ the identities known before.
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable
 
 from index.etcd import EtcdClient, KeyValue, WatchEvent
 from index.follow import PrefixFollower
 from index.keys import KeyLayout
+from index.record import PREFILL, RecordReader
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +32,18 @@ OnChange = Callable[[str, str], Awaitable[None]]
 """``(bootstrap address "host:port", reason)``."""
 
 
-def _identity(value: bytes) -> tuple[str, object] | None:
-    """(bootstrap address, process identity) of a prefill instance record; None otherwise."""
-    try:
-        doc = json.loads(value)
-    except ValueError:
+def _identity(reader: RecordReader, layout: KeyLayout, key: bytes,
+              value: bytes) -> tuple[str, object] | None:
+    """(bootstrap address, process identity) of a prefill instance record; None otherwise
+    (also for a record ``reader`` refuses: it counts and logs that)."""
+    rec = reader.read(key, value, instance_id=layout.parse_instance(key))
+    if rec is None or rec.role != PREFILL:
         return None
-    if not isinstance(doc, dict) or doc.get("role") != "prefill":
-        return None
-    host, port = doc.get("bootstrap_host"), doc.get("bootstrap_port")
-    if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int):
+    host, port = rec.bootstrap_host, rec.bootstrap_port
+    if not host or port is None:
         return None
     # The form of ``Bootstrap.addr`` (what the decode keys its caches by).
-    return f"{host}:{port}", doc.get("started_at")
+    return f"{host}:{port}", rec.started_at
 
 
 class PrefillRestarts(PrefixFollower):
@@ -61,6 +60,9 @@ class PrefillRestarts(PrefixFollower):
         """Instance key -> (bootstrap address, started_at) as last seen (kept after a delete
         until the next reload)."""
         self.changes = 0
+        self.layout = layout
+        self.records = RecordReader()
+        """Parses the records; counts the refused ones by reason."""
         self._loaded = False
 
     # --- the follower's hooks ---------------------------------------------------------------
@@ -68,7 +70,7 @@ class PrefillRestarts(PrefixFollower):
     async def load(self, revision: int, kvs: list[KeyValue]) -> None:
         seen: dict[bytes, tuple[str, object]] = {}
         for kv in kvs:
-            ident = _identity(kv.value)
+            ident = _identity(self.records, self.layout, kv.key, kv.value)
             if ident is not None:
                 seen[kv.key] = ident
         if self._loaded:  # a reload: what changed while not watching counts too
@@ -81,9 +83,10 @@ class PrefillRestarts(PrefixFollower):
     async def apply(self, events: list[WatchEvent]) -> None:
         for ev in events:
             if not ev.put:
+                self.records.forget(ev.key)
                 continue  # see the module docstring: the last identity stays
             old = self.known.get(ev.key)
-            ident = _identity(ev.value)
+            ident = _identity(self.records, self.layout, ev.key, ev.value)
             if ident is None:
                 continue
             self.known[ev.key] = ident

@@ -15,8 +15,10 @@ from aiohttp import web
 from bootstrap.config import BootstrapConfig
 from bootstrap.http_limits import make_runner
 from bootstrap.server import create_app
+from index.errors import RecordError
 from index.etcd import EtcdClient
 from index.keys import loads
+from index.record import InstanceRecord
 from kvatlas.cli import CLIError
 from kvatlas.commands._common import add_etcd_args, etcd_settings, key_layout
 
@@ -92,7 +94,11 @@ async def _fetch_instance(args: argparse.Namespace) -> tuple[dict[str, Any], lis
         _, (dp, cp, tp, pp) = layout.parse_rank(rkv.key)
         ranks.append({**loads(rkv.value), "dp": dp, "cp": cp, "tp": tp, "pp": pp})
     ranks.sort(key=lambda r: (r["dp"], r["cp"], r["tp"], r["pp"]))
-    return loads(kv.value), ranks
+    try:
+        record = InstanceRecord.from_json(kv.value, key=kv.key, instance_id=args.instance_id)
+    except RecordError as exc:
+        raise CLIError(f"{exc}; this kvatlas cannot show it") from None
+    return record.to_dict(), ranks
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -11,8 +11,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from index.errors import RecordError
 from index.etcd import EtcdClient
-from index.keys import loads
+from index.record import InstanceRecord
 from kvatlas.commands._common import add_etcd_args, etcd_settings, key_layout
 
 
@@ -43,15 +44,14 @@ async def fetch_instances(args: argparse.Namespace) -> list[dict[str, Any]]:
     layout = key_layout(args)
     async with EtcdClient(etcd_settings(args)) as client:
         _, kvs = await client.get_prefix(layout.instances_prefix())
-    out = []
+    out: list[dict[str, Any]] = []
     for kv in kvs:
+        iid = layout.parse_instance(kv.key)
         try:
-            value = loads(kv.value)
-        except ValueError:
-            value = {}
-        if not isinstance(value, dict):
-            value = {}
-        value.setdefault("instance_id", layout.parse_instance(kv.key))
+            value = InstanceRecord.from_json(kv.value, key=kv.key, instance_id=iid).to_dict()
+        except RecordError as exc:
+            # Still listed, so an operator sees the key exists and why nothing uses it.
+            value = {"instance_id": iid, "refused": exc.reason, "error": exc.detail}
         out.append(value)
     out.sort(key=lambda v: str(v["instance_id"]))
     return out
@@ -78,7 +78,7 @@ def cmd_instances(args: argparse.Namespace) -> int:
         table.add_row(
             str(inst["instance_id"]), str(inst.get("role", "?")), str(inst.get("model", "?")),
             f"{host}:{port}" if host and port else "-",
-            f"{inst.get('registered_ranks', 0)}/{expected if expected is not None else '?'}",
+            f"{inst.get('registered_ranks') or 0}/{expected if expected is not None else '?'}",
             "yes" if inst.get("ready") else "no",
             format_age(now - started) if isinstance(started, (int, float)) else "?",
         )

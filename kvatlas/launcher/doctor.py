@@ -22,6 +22,7 @@ import aiohttp
 from index.errors import EtcdError
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, loads
+from index.record import RecordReader
 from index.rooms import ROUTER_ROOMS
 
 PROBE_PROMPT = ("kvatlas doctor probe: a prompt long enough to fill a few KV blocks, so the "
@@ -48,6 +49,7 @@ class Doctor:
     links: list[Link] = field(default_factory=list)
     instances: dict[str, dict[str, Any]] = field(default_factory=dict)
     ranks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    records: RecordReader = field(default_factory=lambda: RecordReader("doctor: instance record"))
 
     def _add(self, name: str, ok: bool, detail: str, hint: str = "") -> bool:
         self.links.append(Link(name, ok, detail, "" if ok else hint))
@@ -79,7 +81,10 @@ class Doctor:
                 _, kvs = await client.get_prefix(self.layout.instances_prefix())
                 for kv in kvs:
                     iid = self.layout.parse_instance(kv.key)
-                    self.instances[iid] = loads(kv.value)
+                    rec = self.records.read(kv.key, kv.value, instance_id=iid)
+                    if rec is None:
+                        continue  # counted by reason; the registration link names them
+                    self.instances[iid] = rec.to_dict()
                     _, rkvs = await client.get_prefix(self.layout.ranks_prefix(iid))
                     self.ranks[iid] = [
                         {**loads(r.value), "key": self.layout.parse_rank(r.key)[1]} for r in rkvs]
@@ -93,8 +98,10 @@ class Doctor:
         roles = [r.get("role") for r in self.instances.values()]
         n_p, n_d = roles.count("prefill"), roles.count("decode")
         ok = n_p > 0 and n_d > 0
+        refused = {r: n for r, n in self.records.stats().items() if n}
+        unread = f"; unreadable records: {refused}" if refused else ""
         return self._add("instances registered", ok,
-                         f"{n_p} prefill, {n_d} decode under {self.layout.prefix}",
+                         f"{n_p} prefill, {n_d} decode under {self.layout.prefix}{unread}",
                          "no live instance key for a role: the instance is down, its lease "
                          "expired, or it uses another --etcd/--etcd-prefix; read its log")
 

@@ -284,3 +284,32 @@ async def test_a_watch_that_only_opens_reads_degraded_and_is_no_reload_storm(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await client.close()
+
+
+async def test_malformed_and_newer_records_are_skipped_and_counted(
+        start_router: Any, etcd: Any, layout: Any, etcd_settings: Any, key_prefix: str,
+        stubs: Any) -> None:
+    (p,) = await stubs("prefill")
+    url = p.url
+    await etcd.put(layout.instance("typo"), dumps({"role": "prefill", "url": url,
+                                                   "bootstrap_port": "8998"}))
+    await etcd.put(layout.instance("future"), dumps({"v": 2, "role": "prefill", "url": url}))
+    await etcd.put(layout.instance("good"), dumps({"v": 1, "role": "prefill", "url": url,
+                                                   "model": "tiny"}))
+    client = await router(start_router, etcd_settings, key_prefix, model="tiny")
+
+    async def only_good() -> bool:
+        workers = await (await client.get("/workers")).json()
+        return ids(workers, "prefill") == {"good"}
+
+    await wait_for(only_good)
+    discovery = client.app.state.discovery
+    assert discovery.stats()["records_refused"] == {"malformed": 1, "newer_version": 1}
+    # Rewritten (a watch event each): counted again, the good one still used.
+    await etcd.put(layout.instance("future"), dumps({"v": 3, "role": "prefill", "url": url}))
+
+    async def counted() -> bool:
+        return discovery.stats()["records_refused"]["newer_version"] == 2
+
+    await wait_for(counted)
+    assert await only_good()
