@@ -257,6 +257,8 @@ def part2(instances: int, blocks: int, samples: int) -> dict[str, Any]:
     state = RouterState(cfg)
     ids = [w.instance_id for w in state.pools.pool("prefill")]
     mirror = BlockMirror(None, KeyLayout(), "tiny")  # type: ignore[arg-type]  # never connects
+    # Filled in place, as its watch would (a one-model mirror holds its model's table from the
+    # start; before it did, these writes went to a detached table and lookups found nothing).
     table = mirror.table()
     rng = random.Random(0)
     # 1M indexed blocks: 500 shared "system prompts" of 64 blocks, each held by a few instances,
@@ -273,7 +275,8 @@ def part2(instances: int, blocks: int, samples: int) -> dict[str, Any]:
     for k, iid in enumerate(ids):
         table.apply_add(iid, range(k * per + (1 << 40), (k + 1) * per + (1 << 40)))
     mirror.ready = True
-    state.mirror = mirror
+    state.index = mirror
+    assert state.index_lookup(sys_hashes[0], "tiny"), "the index must answer the bench's prompts"
     indexed = len(table)
     prompts = [encode_text(systems[rng.randrange(500)] + f" user question {j} " * 20)
                for j in range(200)]

@@ -23,13 +23,14 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
 from index.etcd import EtcdClient, KeyValue, WatchEvent
 from index.follow import PrefixFollower
 from index.keys import KeyLayout, validate_instance_id, validate_model
+from index.reader import IndexReader, IndexStatus, InstanceDetail
 from index.table import GPU, BlockTable
 from index.writer import parse_hash_tail
 
@@ -59,8 +60,11 @@ class BlockMirrorConfig:
                              f"got {self.stale_after}")
 
 
-class BlockMirror(PrefixFollower):
-    """In-memory mirror of ``/blocks/{model}/`` (or of ``/blocks/`` when ``model`` is None)."""
+class BlockMirror(PrefixFollower, IndexReader):
+    """In-memory mirror of ``/blocks/{model}/`` (or of ``/blocks/`` when ``model`` is None).
+
+    Readers outside index/ use the ``IndexReader`` methods (``match``, ``version``, ...); the
+    attributes below are this class's own business."""
 
     def __init__(self, client: EtcdClient, layout: KeyLayout, model: str | None = None,
                  config: BlockMirrorConfig | None = None) -> None:
@@ -70,7 +74,10 @@ class BlockMirror(PrefixFollower):
                          self.config.stale_after, self.config.progress_every)
         self.layout = layout
         self._root_len = len(layout.blocks_prefix())
-        self.tables: dict[str, BlockTable] = {}
+        # A one-model mirror always has its model's table (empty until loaded).
+        self.tables: dict[str, BlockTable] = {} if model is None else {self.model: BlockTable()}
+        self._changed: dict[str, float] = {}
+        """Per instance, when a change of its blocks was last applied (``InstanceDetail``)."""
         self._models: dict[bytes, str] = {}
         self._names: dict[bytes, str] = {}
         self._media: dict[bytes, str] = {}
@@ -106,6 +113,49 @@ class BlockMirror(PrefixFollower):
 
     def instances(self, model: str | None = None) -> set[str]:
         return self.table(model).instances()
+
+    # --- IndexReader ------------------------------------------------------------------------
+
+    def match(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
+        table = self.tables.get(model)
+        return table.lookup(hashes) if table is not None else {}
+
+    def version(self, model: str | None = None) -> Hashable:
+        # Table versions are unique process-wide and a table never written is empty, so one
+        # model's version is its table's, and the whole mirror's is the list of them.
+        if model is None:
+            if self.model is None:
+                return tuple((name, t.version) for name, t in self.tables.items())
+            model = self.model
+        table = self.tables.get(model)
+        return table.version if table is not None else 0
+
+    def models(self) -> frozenset[str]:
+        return frozenset(self.tables)
+
+    def block_count(self, model: str | None = None) -> int:
+        if model is None:
+            return sum(len(t) for t in self.tables.values())
+        table = self.tables.get(model)
+        return len(table) if table is not None else 0
+
+    def instance_ids(self) -> frozenset[str]:
+        ids: set[str] = set()
+        for t in self.tables.values():
+            ids |= t.instances()
+        return frozenset(ids)
+
+    def instance(self, instance_id: str) -> InstanceDetail | None:
+        blocks = {m: n for m, t in self.tables.items() if (n := t.count(instance_id))}
+        if not blocks:
+            return None
+        return InstanceDetail(instance_id, blocks, self._changed.get(instance_id, 0.0))
+
+    def status(self) -> IndexStatus:
+        return IndexStatus(ready=self.ready, connected=self.connected,
+                           blocks=self.block_count(), revision=self.revision,
+                           revision_lag=self.revision_lag, disconnects=self.disconnects,
+                           last_error=self.last_error)
 
     def lag_stats(self) -> dict[str, float]:
         """p50/p99/max of recent write-to-apply lags in seconds (needs synchronized clocks)."""
@@ -148,8 +198,10 @@ class BlockMirror(PrefixFollower):
             table.apply_add(instance, hashes, medium)
         if self.model is not None:
             tables.setdefault(self.model, BlockTable())
+        now = time.time()
+        changed = {instance: now for t in tables.values() for instance in t.instances()}
         # Swap at once: lookups see either the old or the new state, never a half-built one.
-        self.tables = tables
+        self.tables, self._changed = tables, changed
 
     def apply(self, events: list[WatchEvent]) -> None:
         self._apply(events)
@@ -167,6 +219,7 @@ class BlockMirror(PrefixFollower):
         for t in self.tables.values():
             live |= t.instances()
         self._names = {raw: n for raw, n in self._names.items() if n in live}
+        self._changed = {i: t for i, t in self._changed.items() if i in live}
         self._models = {raw: m for raw, m in self._models.items() if m in self.tables}
 
     def _apply(self, events: list[WatchEvent]) -> None:
@@ -174,6 +227,7 @@ class BlockMirror(PrefixFollower):
         run_key: tuple[bool, str, str, str] | None = None
         run: list[int] = []
         stamps: list[float] = []
+        applied_at = time.time()
         for ev in events:
             parsed = self._parse(ev.key)
             if parsed is None:
@@ -188,25 +242,32 @@ class BlockMirror(PrefixFollower):
                 medium = GPU
             key = (ev.put, model, instance, medium)
             if key != run_key:
-                self._flush_run(run_key, run)
+                self._flush_run(run_key, run, applied_at)
                 run_key, run = key, []
             run.append(h)
-        self._flush_run(run_key, run)
+        self._flush_run(run_key, run, applied_at)
         if stamps:
             now = time.time()
             self._lags.extend(now - t for t in stamps)
 
-    def _flush_run(self, key: tuple[bool, str, str, str] | None, hashes: list[int]) -> None:
+    def _flush_run(self, key: tuple[bool, str, str, str] | None, hashes: list[int],
+                   applied_at: float) -> None:
         if key is None or not hashes:
             return
         put, model, instance, medium = key
-        table = self._writable(model)
         if put:
             self.puts += len(hashes)
-            table.apply_add(instance, hashes, medium)
+            self._writable(model).apply_add(instance, hashes, medium)
+            self._changed[instance] = applied_at
         else:
             self.deletes += len(hashes)
+            # A delete in a model never seen removes nothing: it must not create a table (an
+            # empty one would count as a model in ``models()`` until the next prune).
+            table = self.tables.get(model)
+            if table is None:
+                return
             table.apply_remove(instance, hashes)
+            self._changed[instance] = applied_at
             if not table.count(instance):
                 self._emptied = True
 

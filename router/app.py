@@ -22,6 +22,7 @@ from router.admission import Admission
 from router.config import RouterConfig
 from router.discovery import InstanceDiscovery
 from router.dispatch import Dispatcher, json_error
+from router.errors import RouterError
 from router.handlers import Services
 from router.health import HealthChecker
 from router.http.server import HttpServer, Request, Response, Stream
@@ -89,6 +90,8 @@ class RouterApp:
             else:
                 try:
                     answer = await handler(request)
+                except RouterError as exc:  # the client's mistake, or no worker: its status
+                    answer = handlers.error_response(exc)
                 except Exception:  # noqa: BLE001 - the router answers, whatever happened
                     logger.exception("unexpected error on %s %s", request.method, request.path)
                     answer = json_error(500, "internal router error (see the router log)")
@@ -158,9 +161,10 @@ class RouterApp:
                 # The mirror and discovery loops keep retrying; static workers serve meanwhile.
                 logger.warning("etcd not reachable at start (%s); retrying in the background",
                                exc)
-            state.mirror = BlockMirror(client, cfg.layout, cfg.model)
-            stack.push_async_callback(state.mirror.close)
-            state.mirror.start()
+            mirror = BlockMirror(client, cfg.layout, cfg.model)
+            state.index = mirror
+            stack.push_async_callback(mirror.close)
+            mirror.start()
             state.discovery = InstanceDiscovery(client, cfg.layout, state.pools, cfg.model)
             stack.push_async_callback(state.discovery.close)
             state.discovery.start()

@@ -383,6 +383,9 @@ class KvAware(Policy):
             if not pending or pending[-1][0] != seq:  # a repeat refreshes its entry
                 pending.append((seq, choice.model, choice.hashes[-1]))
 
+    def predicted_blocks(self) -> int:
+        return len(self.prediction)
+
     def forget(self, instance_id: str) -> None:
         self.prediction.forget(instance_id)
         self.work.forget(instance_id)

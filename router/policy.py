@@ -115,6 +115,11 @@ class Policy(ABC):
     def forget(self, instance_id: str) -> None:
         """Told when an instance leaves the pool."""
 
+    def predicted_blocks(self) -> int | None:
+        """Blocks the policy currently counts as cached by its own prediction (for the
+        metrics); None for a policy that predicts nothing."""
+        return None
+
 
 def _plain(workers: list[Worker]) -> list[dict[str, Any]]:
     return [{"instance_id": w.instance_id, "matched_blocks": 0, "load": w.load, "cost": w.load}
@@ -169,16 +174,3 @@ def _sample_two(rng: random.Random, workers: list[Worker]) -> tuple[Worker, Work
         j = below(n)
     return workers[i], workers[j]
 
-
-def make_policy(name: str, **kv_args: Any) -> Policy:
-    """The policy called ``name``; kv_aware needs ``mirror``/``config`` keyword arguments."""
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "random":
-        return RandomPolicy()
-    if name == "power_of_two":
-        return PowerOfTwo()
-    if name == "kv_aware":
-        from router.kv_aware import KvAware
-        return KvAware(**kv_args)
-    raise ValueError(f"unknown policy {name!r}")

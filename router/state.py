@@ -7,25 +7,14 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from index.mirror import BlockMirror
+from index.reader import IndexReader
 from router.config import RouterConfig
 from router.discovery import InstanceDiscovery
+from router.errors import NoWorkers, UnknownModel
 from router.metrics import RouterMetrics
-from router.policy import Choice, Policy, RouteContext, make_policy
+from router.policies import make_policy
+from router.policy import Choice, Policy, RouteContext
 from router.workers import DECODE, PREFILL, Worker, WorkerPools
-
-
-class NoWorkers(Exception):
-    """Nothing of ``role`` can be selected; ``reason`` says why (503)."""
-
-    def __init__(self, role: str, reason: str) -> None:
-        super().__init__(f"No available servers: {reason}")
-        self.role = role
-        self.reason = reason
-
-
-class UnknownModel(Exception):
-    pass
 
 
 @dataclass
@@ -40,7 +29,8 @@ class RouterState:
         self.pools = WorkerPools(config)
         self.metrics = RouterMetrics()
         self.rng = random.Random()
-        self.mirror: BlockMirror | None = None
+        self.index: IndexReader | None = None
+        """The block index (the etcd mirror, with --etcd), read through ``IndexReader`` only."""
         self.discovery: InstanceDiscovery | None = None
         self.started_at = time.time()
         self.prefill_policy: Policy = make_policy(config.effective_prefill_policy,
@@ -65,52 +55,49 @@ class RouterState:
     # --- index ----------------------------------------------------------------------------
 
     def index_lookup(self, hashes: Sequence[int], model: str | None) -> dict[str, int]:
-        mirror = self.mirror
-        if mirror is None or not mirror.ready:
+        index = self.index
+        if index is None or not index.ready:
             return {}
-        if mirror.model is not None:
-            return mirror.lookup(hashes)
-        name = model or self.config.model or self._only_model(mirror)
-        # Never create a table for a name taken from a request (memory would follow clients).
-        table = mirror.tables.get(name) if name else None
-        return table.lookup(hashes) if table is not None else {}
+        # An index of one model answers for it whatever the request names (the pools serve
+        # that model only); otherwise the request's model, the configured one, or the only one.
+        name = index.model or model or self.config.model or self._only_model(index)
+        # An unknown name answers {} without growing the index (memory would follow clients).
+        return index.match(name, hashes) if name else {}
 
     def index_version(self) -> Hashable:
-        """Changes whenever ``index_lookup`` may answer differently (table versions are unique
-        process-wide; a table never written is empty)."""
-        mirror = self.mirror
-        if mirror is None or not mirror.ready:
+        """Changes whenever ``index_lookup`` may answer differently."""
+        index = self.index
+        if index is None or not index.ready:
             return None
-        if mirror.model is not None:
-            table = mirror.tables.get(mirror.model)
-            return table.version if table is not None else 0
-        return tuple((name, t.version) for name, t in mirror.tables.items())
+        return index.version()
 
-    def _only_model(self, mirror: BlockMirror) -> str | None:
+    def _only_model(self, index: IndexReader) -> str | None:
         """The model a request naming none means: the one the pools serve, or else the one
         the index holds, when there is exactly one (SGLang clients rarely send a model)."""
         served = self.pools.models()
         if len(served) == 1:
             return next(iter(served))
-        if not served and len(mirror.tables) == 1:
-            return next(iter(mirror.tables))
+        if not served:
+            held = index.models()
+            if len(held) == 1:
+                return next(iter(held))
         return None
 
     def index_detail(self) -> dict[str, Any]:
         if self.config.etcd is None:
             return {"state": "off (no --etcd)"}
-        mirror = self.mirror
-        if mirror is None:
+        index = self.index
+        if index is None:
             return {"state": "starting"}
         disc = self.discovery.stats() if self.discovery else {}
+        st = index.status()
         # Discovery follows the same etcd: when it is degraded, the mirror is not updating either.
         # A mirror that lost its watch or quorum serves its last state: routing goes on, flagged.
-        stale = disc.get("state") == "degraded" or (mirror.ready and not mirror.connected)
-        return {"state": ("stale" if stale else "live") if mirror.ready else "loading",
-                "connected": mirror.connected,
-                "blocks": sum(len(t) for t in mirror.tables.values()),
-                "revision": mirror.revision, "revision_lag": mirror.revision_lag,
-                "disconnects": mirror.disconnects, "last_error": mirror.last_error,
+        stale = disc.get("state") == "degraded" or (st.ready and not st.connected)
+        return {"state": ("stale" if stale else "live") if st.ready else "loading",
+                "connected": st.connected, "blocks": st.blocks,
+                "revision": st.revision, "revision_lag": st.revision_lag,
+                "disconnects": st.disconnects, "last_error": st.last_error,
                 "discovery": disc}
 
     def check_model(self, model: str | None) -> None:
@@ -154,12 +141,13 @@ class RouterState:
     def refresh_gauges(self) -> None:
         m = self.metrics
         m.set_breakers(self.pools.all())
-        mirror = self.mirror
-        if mirror is not None:
-            m.index_ready.set(1 if mirror.ready else 0)
-            m.index_blocks.set(sum(len(t) for t in mirror.tables.values()))
-            m.index_revision_lag.set(mirror.revision_lag)
+        index = self.index
+        if index is not None:
+            st = index.status()
+            m.index_ready.set(1 if st.ready else 0)
+            m.index_blocks.set(st.blocks)
+            m.index_revision_lag.set(st.revision_lag)
             m.index_stale.set(1 if self.index_detail().get("state") == "stale" else 0)
-        prediction = getattr(self.prefill_policy, "prediction", None)
-        if prediction is not None:
-            m.predicted_blocks.set(len(prediction))
+        predicted = self.prefill_policy.predicted_blocks()
+        if predicted is not None:
+            m.predicted_blocks.set(predicted)
