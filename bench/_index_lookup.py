@@ -122,7 +122,7 @@ def cpu_parts(args: argparse.Namespace) -> dict[str, Any]:
     grid = lookups(args.blocks, [8, 64, 256], [64, 256, 1024], args.lookups)
     res["lookup"] = grid
     rows = []
-    for k, r in grid.items():
+    for r in grid.values():
         rows.append((f"{r['instances']:>3} inst, {r['prompt_blocks']:>4}-block prompt",
                      f"p50 {r['p50_us']:6.1f} us  p99 {r['p99_us']:7.1f} us  "
                      f"(cpu p99 {r['cpu_p99_us']:6.1f} us)  {r['lookups_s']:>7,.0f}/s  "

@@ -210,7 +210,7 @@ async def replay(url: str, reqs: list[Req], concurrency: int,
                 await done[prev[r.rid]].wait()
             try:
                 await one(session, r)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
             finally:
                 done[r.rid].set()
@@ -295,7 +295,7 @@ def simulate(reqs: Sequence[Req], instances: int, capacity_blocks: int, rule: st
     for i, (r, blocks) in enumerate(zip(reqs, request_blocks(reqs, block))):
         u = usable(blocks, len(prompt_tokens(r.text)), block)
 
-        def match(c: OrderedDict[int, None]) -> int:
+        def match(c: OrderedDict[int, None], u: int = u, blocks: list[int] = blocks) -> int:
             m = 0
             while m < u and blocks[m] in c:
                 m += 1

@@ -35,10 +35,11 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _results import write_result  # noqa: E402
+
 from index.etcd import EtcdClient, EtcdSettings  # noqa: E402
 from index.keys import KeyLayout  # noqa: E402
 from kvatlas.etcd_proc import EtcdCluster, free_port  # noqa: E402
-from _results import write_result  # noqa: E402
 
 DP, CP, TP, PP = 4, 2, 16, 4  # 512 ranks
 CONCURRENCY = (1, 16, 64)

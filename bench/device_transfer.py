@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from _results import write_result
 
 from transfer import KVLayout, TensorPageSource, TransferConfig  # noqa: E402
-from _results import write_result
 
 GEOMETRY = dict(num_layers=32, num_heads=8, head_dim=128, page_size=16, dtype="bfloat16")
 LAYOUT = KVLayout.for_tp(**GEOMETRY)

@@ -38,14 +38,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _index_lookup import cpu_parts, show  # noqa: E402  (bench/ is the script's directory)
+
 from index.etcd import EtcdClient, EtcdSettings  # noqa: E402
 from index.keys import KeyLayout  # noqa: E402
 from index.lease import LeaseSession  # noqa: E402
 from index.mirror import BlockMirror, BlockMirrorConfig  # noqa: E402
 from index.writer import BlockWriter, BlockWriterConfig  # noqa: E402
 from kvatlas.etcd_proc import COMPACTION_ARGS, EtcdCluster  # noqa: E402
-
-from _index_lookup import cpu_parts, show  # noqa: E402  (bench/ is the script's directory)
 
 MODEL = "bench/model"
 MB = 1024 * 1024
@@ -300,7 +300,7 @@ async def etcd_parts(args: argparse.Namespace) -> dict[str, Any]:
             ("db growth, 2nd half", f"{c['db']['second_half_growth_mb_min']:+.1f} MB/min"),
             *([("note", "revision mode compacts only every 5 min (etcd's fixed interval), so no "
                         "compaction happens in this run; at this rate the file would reach "
-                        f"~{c['db']['db_mb_end'] + c['db']['second_half_growth_mb_min'] * (5 - c['seconds'] / 60):,.0f}"
+                        f"~{c['db']['db_mb_end'] + c['db']['second_half_growth_mb_min'] * (5 - c['seconds'] / 60):,.0f}"  # noqa: E501
                         " MB before the first one")]
               if "revision" in label else
               [("note", "compacts every retention period, keeping one period of history: the "

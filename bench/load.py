@@ -129,7 +129,7 @@ async def one(session: aiohttp.ClientSession, url: str, prompt: str, max_new: in
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             await resp.read()
             return time.perf_counter() - t0, "ok" if resp.status == 200 else f"http {resp.status}"
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return time.perf_counter() - t0, "timeout"
     except aiohttp.ClientError as exc:
         return time.perf_counter() - t0, type(exc).__name__

@@ -54,15 +54,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
 import _routing_trace as rt  # noqa: E402
+from _results import write_result
 
 from kvatlas.etcd_proc import EtcdCluster, free_port  # noqa: E402
-from _results import write_result
 
 ROUTERS = ("kv_aware", "round_robin", "power_of_two", "sglang:cache_aware")
 MODEL = "tiny"

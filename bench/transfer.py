@@ -44,13 +44,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import xxhash  # noqa: E402
+from _results import write_result
 
 from transfer import KVLayout, TensorPageSource, TransferConfig  # noqa: E402
-from transfer.base import TRANSFER_KEY_ENV  # noqa: E402
 from transfer.backends.zmq_backend import ZmqReceiver, ZmqSender  # noqa: E402
+from transfer.base import TRANSFER_KEY_ENV  # noqa: E402
 from transfer.layout import tensor_bytes  # noqa: E402
 from transfer.tuning import tune_host_allocator  # noqa: E402
-from _results import write_result
 
 GEOMETRY = dict(num_layers=32, num_heads=8, head_dim=128, page_size=16, dtype="bfloat16")
 LAYOUT = KVLayout.for_tp(**GEOMETRY)

@@ -209,7 +209,7 @@ class BootstrapClient:
             async with self.session.request(method, f"http://{addr}{path}", params=params,
                                             json=body, headers=headers) as resp:
                 return resp.status, await resp.text(errors="replace")
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise BootstrapUnreachable(
                 addr=addr, reason=f"{method} {path} got no answer within {self.config.timeout_s:g} s; "
                 "check that the prefill instance is up and not overloaded") from exc

@@ -119,7 +119,7 @@ class BootstrapConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace,
-                      etcd: EtcdSettings | None = None) -> "BootstrapConfig":
+                      etcd: EtcdSettings | None = None) -> BootstrapConfig:
         """Build from parsed flags; ``etcd`` is the settings the CLI built from its etcd flags."""
         return cls(
             instance_id=args.instance_id,

@@ -1,6 +1,6 @@
 """How long a client may take to send a request, and the encoding its body must be in, for
-kvatlas's aiohttp servers: the bootstrap server and the engine's worker port (``engine/`` imports this; the router has its own HTTP
-layer with the same bound).
+kvatlas's aiohttp servers: the bootstrap server and the engine's worker port (``engine/`` imports
+this; the router has its own HTTP layer with the same bound).
 
 A slow client (slowloris: a request head or body trickled a byte at a time) would otherwise hold
 a connection, and the memory behind it, for as long as it likes. Two bounds, one setting:

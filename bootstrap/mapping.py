@@ -25,8 +25,9 @@ the wrong prefill rank and shows up only as corrupted output.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from bootstrap.errors import TopologyMismatch
 

@@ -139,6 +139,6 @@ class RankMirror:
             try:
                 await asyncio.wait_for(self.session.revoke(),
                                        timeout=min(3.0, self.client.settings.timeout))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 logger.warning("lease revoke timed out; the keys expire with the lease TTL")
         await self.client.close()

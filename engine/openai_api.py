@@ -10,8 +10,16 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.http_common import (check_fits, collect_outputs, read_body, sse_end, sse_response,
-                                sse_send, state, until_disconnected)
+from engine.http_common import (
+    check_fits,
+    collect_outputs,
+    read_body,
+    sse_end,
+    sse_response,
+    sse_send,
+    state,
+    until_disconnected,
+)
 from engine.protocol import include_usage, parse_chat, parse_completion
 from engine.scheduler import RequestOutput
 

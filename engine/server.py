@@ -26,9 +26,21 @@ from bootstrap.http_limits import bound_reads, runner_options
 from engine import openai_api
 from engine.config import ModelConfig
 from engine.errors import BadRequest
-from engine.http_common import (CONFIG_KEY, STATE_KEY, EngineState, check_fits, collect,
-                                error_middleware, json_error, read_body, sse_end, sse_response,
-                                sse_send, state, until_disconnected)
+from engine.http_common import (
+    CONFIG_KEY,
+    STATE_KEY,
+    EngineState,
+    check_fits,
+    collect,
+    error_middleware,
+    json_error,
+    read_body,
+    sse_end,
+    sse_response,
+    sse_send,
+    state,
+    until_disconnected,
+)
 from engine.metrics import make_registry
 from engine.protocol import GenInput, parse_generate
 from engine.runner import AsyncEngine, build_scheduler

@@ -94,7 +94,7 @@ def _address(rec: InstanceRecord | None) -> tuple[str, int] | None:
 async def _listens(host: str, port: int, timeout: float = 1.0) -> bool:
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except (OSError, asyncio.TimeoutError):
+    except (TimeoutError, OSError):
         return False
     writer.close()
     return True

@@ -93,7 +93,7 @@ class EtcdSettings:
         return ",".join(self.endpoints)
 
     @classmethod
-    def from_text(cls, text: str, **kwargs: Any) -> "EtcdSettings":
+    def from_text(cls, text: str, **kwargs: Any) -> EtcdSettings:
         return cls(endpoints=parse_endpoints(text), **kwargs)
 
 
@@ -225,7 +225,7 @@ class EtcdClient:
         self._watch: Any = None
         self._maint: Any = None
 
-    async def __aenter__(self) -> "EtcdClient":
+    async def __aenter__(self) -> EtcdClient:
         await self.connect()
         return self
 
@@ -286,7 +286,7 @@ class EtcdClient:
     def _mapped(self, op: str) -> Iterator[None]:
         try:
             yield
-        except (grpc.aio.AioRpcError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, grpc.aio.AioRpcError, OSError) as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 # Our own task is being cancelled (close(), a timeout): gRPC may report that as a

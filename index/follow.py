@@ -109,7 +109,7 @@ class PrefixFollower:
         try:
             await asyncio.wait_for(self._ready.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     async def wait_revision(self, revision: int, timeout: float | None = None) -> bool:
@@ -126,7 +126,7 @@ class PrefixFollower:
             self._advanced.clear()
             try:
                 await asyncio.wait_for(self._advanced.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return self.revision >= revision
         return True
 
@@ -192,7 +192,7 @@ class PrefixFollower:
                             backoff.reset()
             except asyncio.CancelledError:
                 raise
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._broke(f"watch silent for {self.stale_after:g} s")
                 logger.warning("%s: watch silent for %.1f s at revision %d; reloading",
                                self.name, self.stale_after, self.revision)

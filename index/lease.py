@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 NewLeaseCallback = Callable[[int], Awaitable[None] | None]
 
 
-async def cancel_and_wait(*tasks: "asyncio.Task[Any] | None") -> None:
+async def cancel_and_wait(*tasks: asyncio.Task[Any] | None) -> None:
     """Cancel ``tasks`` and wait until they are done, cancelling again if one swallowed it.
 
     A cancellation can be lost inside a library (or by ``asyncio.timeout`` racing an outer
@@ -115,7 +115,7 @@ class LeaseSession:
                 delay = backoff.next()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=delay)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _mark_ok(self) -> None:

@@ -69,7 +69,7 @@ class WatchLiveness:
             await asyncio.sleep(self.probe_every)
             try:
                 await asyncio.wait_for(self.client.get(self.probe_key), self.stale_after)
-            except (EtcdError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, EtcdError) as exc:
                 self.probe_failures += 1
                 msg = str(exc) or type(exc).__name__
                 if self.last_probe_error is None:

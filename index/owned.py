@@ -81,7 +81,7 @@ class LeasedKeys:
         try:
             await asyncio.wait_for(self._synced.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     # --- the sync loop ----------------------------------------------------------------------

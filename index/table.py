@@ -192,7 +192,7 @@ class BlockTable:
                 i = end
                 step += step
                 continue
-            for i in range(i, end):
+            for i in range(i, end):  # noqa: B020 (i resumes where the galloping step stopped)
                 nxt = active & get(hashes[i], 0)
                 if nxt != active:
                     dropped = active ^ nxt

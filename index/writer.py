@@ -239,7 +239,7 @@ class BlockWriter:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -319,7 +319,7 @@ class BlockWriter:
             self._full.clear()
             try:
                 await asyncio.wait_for(self._full.wait(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return
 
     async def _flush(self, lease: int) -> None:

@@ -188,7 +188,7 @@ class EtcdCluster:
     def endpoints(self) -> str:
         return ",".join(m.endpoint for m in self.members)
 
-    def start(self, timeout: float = 30.0) -> "EtcdCluster":
+    def start(self, timeout: float = 30.0) -> EtcdCluster:
         binary = find_etcd_binary()
         try:
             for m in self.members:
@@ -207,7 +207,7 @@ class EtcdCluster:
             self._tmp.cleanup()
             self._tmp = None
 
-    def __enter__(self) -> "EtcdCluster":
+    def __enter__(self) -> EtcdCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -25,10 +25,17 @@ Authentication: give every prefill and decode rank the same ``TransferConfig.key
 it from ``$KVATLAS_TRANSFER_KEY`` through ``TransferConfig.from_cli_args``) and every message
 carries a MAC (``transfer.auth``); without one, senders and receivers warn at start-up.
 """
-from transfer.backends import (BACKENDS, Destination, KVReceiver, KVSender, ReceiveResult,
-                               SenderHooks, create_receiver, create_sender)
-from transfer.base import (InvalidTransition, TransferConfig, TransferError, TransferState,
-                           TransferStatus)
+from transfer.backends import (
+                               BACKENDS,
+                               Destination,
+                               KVReceiver,
+                               KVSender,
+                               ReceiveResult,
+                               SenderHooks,
+                               create_receiver,
+                               create_sender,
+)
+from transfer.base import InvalidTransition, TransferConfig, TransferError, TransferState, TransferStatus
 from transfer.heartbeat import HeartbeatMonitor
 from transfer.layout import KVLayout, PageSource, TensorPageSource
 

@@ -55,7 +55,7 @@ class TransferAuth:
                       for d in (P2D, D2P)}
 
     @classmethod
-    def from_key(cls, key: str | None) -> "TransferAuth | None":
+    def from_key(cls, key: str | None) -> TransferAuth | None:
         return cls(key) if key is not None else None
 
     def tag(self, direction: str, header: bytes, buffers: Iterable[Any]) -> bytes:

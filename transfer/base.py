@@ -75,7 +75,7 @@ class TransferError(TransferLayerError):
         super().__init__(f"{what}{where}{at}: {reason}")
 
     def with_context(self, *, room: int | None = None, stage: TransferState | None = None,
-                     released_pages: Sequence[int] | None = None) -> "TransferError":
+                     released_pages: Sequence[int] | None = None) -> TransferError:
         """A copy carrying the room (when it was unknown), the stage reached and the pages
         released (filled in by the backend)."""
         return TransferError(self.room if self.room is not None else room, self.reason,
@@ -86,7 +86,7 @@ class TransferError(TransferLayerError):
 
     @classmethod
     def room_mismatch(cls, expected: int, actual: int, peer: str | None = None,
-                      detail: str = "") -> "TransferError":
+                      detail: str = "") -> TransferError:
         return cls(expected, f"bootstrap_room mismatch: expected {expected}, got {actual}{detail}; "
                    "the sender bound another request's KV to this transfer (check the prefill's "
                    "room -> request binding and the router's bootstrap_room injection); that KV "
@@ -95,7 +95,7 @@ class TransferError(TransferLayerError):
 
     @classmethod
     def checksum_mismatch(cls, room: int, expected: int, actual: int, peer: str | None,
-                          detail: str = "") -> "TransferError":
+                          detail: str = "") -> TransferError:
         return cls(room, f"checksum mismatch{detail}: header says {expected:#018x}, received bytes "
                    f"hash to {actual:#018x}; the pages were corrupted in flight or changed while "
                    "being sent (check that the prefill keeps source pages pinned until the transfer "
@@ -229,7 +229,7 @@ class TransferConfig:
                                default=f.default, help=f"(default {f.default})")
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "TransferConfig":
+    def from_cli_args(cls, args: argparse.Namespace) -> TransferConfig:
         return cls(**{f.name: getattr(args, f"transfer_{f.name}") for f in _cli_fields(cls)},
                    key=os.environ.get(TRANSFER_KEY_ENV) or None)
 

@@ -33,7 +33,7 @@ class HeartbeatMonitor:
 
     @classmethod
     def for_receiver(cls, receiver: KVReceiver, endpoint: str, config: TransferConfig,
-                     probe: Probe | None = None) -> "HeartbeatMonitor":
+                     probe: Probe | None = None) -> HeartbeatMonitor:
         """Watch one prefill rank of ``receiver``; on death, ``receiver.fail_peer(endpoint)``."""
         async def ping() -> bool:
             return await receiver.ping(endpoint, config.heartbeat_interval_s)
@@ -52,7 +52,7 @@ class HeartbeatMonitor:
         try:
             ok = await asyncio.wait_for(self.probe(), self.config.heartbeat_interval_s)
             self.last_error = "" if ok else "probe answered not-alive"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             ok, self.last_error = False, f"no answer within {self.config.heartbeat_interval_s} s"
         except Exception as e:  # any failing probe counts as a miss
             ok, self.last_error = False, f"{type(e).__name__}: {e}"

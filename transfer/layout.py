@@ -85,7 +85,7 @@ class KVLayout:
     @classmethod
     def for_tp(cls, *, num_layers: int, num_heads: int, head_dim: int, page_size: int,
                dtype: str | torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-               layers: Range | None = None) -> "KVLayout":
+               layers: Range | None = None) -> KVLayout:
         """The layout of TP rank ``tp_rank`` of ``tp_size`` when KV heads are split evenly."""
         if tp_size < 1 or num_heads % tp_size:
             raise ValueError(f"{num_heads} KV heads cannot be split evenly over tp_size {tp_size}; "
@@ -117,7 +117,7 @@ class KVLayout:
         nh = (heads or self.heads)[1] - (heads or self.heads)[0]
         return nl * 2 * self.page_size * nh * self.head_dim * self.torch_dtype.itemsize
 
-    def mismatches(self, other: "KVLayout") -> list[str]:
+    def mismatches(self, other: KVLayout) -> list[str]:
         """Model-wide geometry that must agree between a prefill and a decode, naming both values."""
         out = []
         for name in ("page_size", "dtype", "num_layers", "num_heads", "head_dim"):
@@ -142,7 +142,7 @@ class KVLayout:
         return d
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> "KVLayout":
+    def from_wire(cls, d: dict[str, Any]) -> KVLayout:
         names = ("num_layers", "num_heads", "head_dim", "page_size", "dtype", "layers", "heads",
                  "tp_rank", "tp_size")
         missing = [n for n in names if n not in d]

@@ -200,7 +200,7 @@ class KVEventPublisher:
             self.replay_requests += 1
             try:
                 await self._send_replay(router, ident, start)
-            except (zmq.ZMQError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, zmq.ZMQError) as exc:
                 # The consumer went away or stopped reading; it will time out and resync.
                 self.failed_replays += 1
                 log.warning("KV events: replay from %d abandoned: %s", start, exc)

@@ -194,7 +194,7 @@ class KVEventSubscriber:
                     self.malformed["bad_replay_frame"] += 1
                     continue
                 await self.handle(reply[1:], replayed=True)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("KV events for %s: replay from %d timed out on %s",
                         self.ingestor.instance, start_seq, cfg.replay_endpoint)
         finally:

@@ -74,5 +74,5 @@ def cmd_generate(args: argparse.Namespace) -> int:
     url = router_url(args)
     try:
         return asyncio.run(_generate(url, args))
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         raise CLIError(f"router at {url} not reachable: {exc!r}") from None

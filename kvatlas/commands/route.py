@@ -108,7 +108,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     try:
         status, decision = asyncio.run(fetch_decision(url, args.prompt, args.model,
                                                       args.timeout))
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         raise CLIError(f"router at {url} not reachable: {exc!r}") from None
     if status != 200:
         raise CLIError(f"router answered {status}: {decision.get('error', decision)}")

@@ -260,14 +260,14 @@ async def _request(http: aiohttp.ClientSession, method: str, url: str,
                 return resp.status, await resp.json(content_type=None)
             except ValueError:
                 return resp.status, text
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         return 0, repr(exc)
 
 
 async def _connectable(host: str, port: int, timeout: float = 2.0) -> bool:
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except (OSError, asyncio.TimeoutError, socket.gaierror):
+    except (TimeoutError, OSError, socket.gaierror):
         return False
     writer.close()
     try:

@@ -138,7 +138,7 @@ class ClusterState:
         return path
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> "ClusterState":
+    def load(cls, run_dir: str | Path) -> ClusterState:
         path = Path(run_dir) / STATE_FILE
         try:
             doc = json.loads(path.read_text())

@@ -20,8 +20,7 @@ from pathlib import Path
 
 from kvatlas.etcd_proc import find_etcd_binary
 from kvatlas.launcher.state import ClusterState, ProcessRecord, proc_start_time
-from kvatlas.launcher.topology import (SECRET_FLAGS, LocalNetwork, Service, Topology,
-                                       process_args)
+from kvatlas.launcher.topology import SECRET_FLAGS, LocalNetwork, Service, Topology, process_args
 
 logger = logging.getLogger(__name__)
 

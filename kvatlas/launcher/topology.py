@@ -31,7 +31,7 @@ SECRET_ENV = {"--auth-token": AUTH_TOKEN_ENV, "--admin-token": ADMIN_TOKEN_ENV,
 SECRET_FLAGS = frozenset(SECRET_ENV)
 
 
-def process_args(svc: "Service") -> tuple[list[str], dict[str, str]]:
+def process_args(svc: Service) -> tuple[list[str], dict[str, str]]:
     """(``svc``'s arguments without secret flags, every secret it needs as environment
     variables): the secret flags' values, and the secrets that have no flag (``svc.env``)."""
     argv, env = split_secrets(svc.args)

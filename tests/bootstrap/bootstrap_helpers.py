@@ -10,8 +10,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-
-
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY_QUERY = {"prefill_dp_rank": "-1", "prefill_cp_rank": "-1", "target_tp_rank": "-1",
                   "target_pp_rank": "-1"}
@@ -25,7 +23,8 @@ def rank_body(*, tp: int = 0, dp: int = 0, cp: int = 0, pp: int = 0, tp_size: in
         "attn_tp_size": tp_size, "attn_tp_rank": tp, "attn_cp_size": cp_size, "attn_cp_rank": cp,
         "attn_dp_size": dp_size, "attn_dp_rank": dp, "pp_size": pp_size, "pp_rank": pp,
         "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": ip,
-        "rank_port": port if port is not None else 20000 + ((dp * cp_size + cp) * tp_size + tp) * pp_size + pp,
+        "rank_port": (port if port is not None
+                      else 20000 + ((dp * cp_size + cp) * tp_size + tp) * pp_size + pp),
         "page_size": 16, "kv_cache_dtype": "auto", "kv_layout": None, "dsv41_spec_layout": None,
         "load_balance_method": "follow_bootstrap_room", "enable_dsa_cache_layer_split": False,
         "enable_kv_cache_sharding": False, "prefill_http_port": 30000,

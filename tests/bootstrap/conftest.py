@@ -4,8 +4,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-
 from bootstrap_helpers import ServerProcess
+
 from kvatlas.etcd_proc import free_port
 
 

@@ -92,7 +92,8 @@ class SGLangLikeServer:
         if (dp, cp, tp, pp) == (-1, -1, -1, -1):
             self.calls["topology"] += 1
             if self.calls["topology"] <= self.not_ready_for:
-                return web.Response(status=503, text="Prefill server not fully registered yet (3 workers registered).")
+                return web.Response(status=503, text="Prefill server not fully registered yet "
+                                                          "(3 workers registered).")
             self.ready = True
             if self.mode == "bad_json":
                 return web.Response(text="<html>hello</html>", content_type="text/html")
@@ -104,7 +105,8 @@ class SGLangLikeServer:
                 return web.Response(status=500, text="Internal Server Error")
             return web.json_response(self.topology.to_json())
         if not self.ready:
-            return web.Response(status=503, text="Prefill server not fully registered yet (3 workers registered).")
+            return web.Response(status=503, text="Prefill server not fully registered yet "
+                                                          "(3 workers registered).")
         if (dp, cp, tp, pp) not in self.table:
             return web.Response(status=404, text=(
                 f"Bootstrap info not found for dp_rank={dp} cp_rank={cp} tp_rank={tp} pp_rank={pp}"))

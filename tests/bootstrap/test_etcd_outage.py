@@ -7,10 +7,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from bootstrap_helpers import TOPOLOGY_QUERY, rank_body, route_query
 
 from bootstrap.config import BootstrapConfig
 from bootstrap.server import STATE, create_app
-from bootstrap_helpers import TOPOLOGY_QUERY, rank_body, route_query
 from index.errors import EtcdError
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, loads

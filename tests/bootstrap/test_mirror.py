@@ -5,9 +5,10 @@ import asyncio
 import random
 from typing import Any
 
+from bootstrap_helpers import TOPOLOGY_QUERY, rank_body, route_query
+
 from bootstrap.config import BootstrapConfig
 from bootstrap.server import STATE, create_app
-from bootstrap_helpers import TOPOLOGY_QUERY, rank_body, route_query
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, loads
 

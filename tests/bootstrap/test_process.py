@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable
 
 import aiohttp
-
 from bootstrap_helpers import TOPOLOGY_QUERY, ServerProcess, rank_body, run_cli
+
 from index.etcd import EtcdClient
 from index.keys import KeyLayout
 from kvatlas.etcd_proc import free_port

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
+from bootstrap_helpers import TOPOLOGY_QUERY, rank_body, route_query
 
 from bootstrap.config import BootstrapConfig
 from bootstrap.server import create_app
 from bootstrap.table import DECODE_NULL_FIELDS
-from bootstrap_helpers import TOPOLOGY_QUERY, rank_body, route_query
 
 
 @pytest.fixture
@@ -52,7 +52,8 @@ async def test_reference_scenario(client: TestClient) -> None:
 
     resp = await client.get("/route", params=route_query(0, 0, 1, 1))
     assert resp.status == 200
-    assert await resp.json() == {"rank_ip": "10.0.0.1", "rank_port": rank_body(tp=1, pp=1, tp_size=2, pp_size=2)["rank_port"]}
+    want_port = rank_body(tp=1, pp=1, tp_size=2, pp_size=2)["rank_port"]
+    assert await resp.json() == {"rank_ip": "10.0.0.1", "rank_port": want_port}
     assert await _text(await client.get("/route", params=route_query(0, 0, 2, 0))) == (
         404, "Bootstrap info not found for dp_rank=0 cp_rank=0 tp_rank=2 pp_rank=0")
     # A mix including -1 is looked up, and gives 404.

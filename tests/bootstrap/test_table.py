@@ -4,10 +4,9 @@ from __future__ import annotations
 import logging
 
 import pytest
-
-from bootstrap.table import (DECODE_NULL_FIELDS, RankTable, RegistrationError,
-                             parse_registration)
 from bootstrap_helpers import rank_body
+
+from bootstrap.table import DECODE_NULL_FIELDS, RankTable, RegistrationError, parse_registration
 
 DOC_ORDER = ["attn_tp_size", "attn_cp_size", "dp_size", "pp_size", "page_size", "kv_cache_dtype",
              "follow_bootstrap_room", "enable_dsa_cache_layer_split", "dsv41_spec_layout",

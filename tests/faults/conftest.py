@@ -9,11 +9,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from fault_helpers import HEALTH_INTERVAL, LEASE_TTL
 
 from kvatlas.launcher.supervisor import LocalCluster
 from kvatlas.launcher.topology import Topology
-
-from fault_helpers import HEALTH_INTERVAL, LEASE_TTL
 
 
 @pytest.fixture

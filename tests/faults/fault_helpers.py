@@ -74,7 +74,7 @@ class Traffic:
                 tokens = doc.get("output_ids") if isinstance(doc, dict) else None
                 self.outcomes.append(Outcome(t0, time.monotonic() - t0, resp.status, err, clean,
                                              prompt, tokens))
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             self.outcomes.append(Outcome(t0, time.monotonic() - t0, 0, repr(exc), False, prompt))
 
     async def _run(self) -> None:
@@ -91,12 +91,12 @@ class Traffic:
                 delay = start + n / self.rate - time.monotonic()
                 try:
                     await asyncio.wait_for(self._stop.wait(), max(0.0, delay))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             if pending:
                 await asyncio.wait(pending)
 
-    def start(self) -> "Traffic":
+    def start(self) -> Traffic:
         self._task = asyncio.create_task(self._run())
         return self
 

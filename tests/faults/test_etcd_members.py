@@ -7,8 +7,17 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from fault_helpers import (SYSTEM, Traffic, assert_reference_tokens, etcd_keys, generate, get_json,
-                           get_text, route, wait_for)
+from fault_helpers import (
+    SYSTEM,
+    Traffic,
+    assert_reference_tokens,
+    etcd_keys,
+    generate,
+    get_json,
+    get_text,
+    route,
+    wait_for,
+)
 
 from kvatlas.launcher.supervisor import LocalCluster
 

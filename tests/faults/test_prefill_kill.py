@@ -6,8 +6,16 @@ import time
 from collections.abc import Callable
 
 import pytest
-from fault_helpers import (HEALTH_INTERVAL, LEASE_TTL, SYSTEM, Traffic, assert_reference_tokens,
-                           etcd_keys, route, wait_for)
+from fault_helpers import (
+    HEALTH_INTERVAL,
+    LEASE_TTL,
+    SYSTEM,
+    Traffic,
+    assert_reference_tokens,
+    etcd_keys,
+    route,
+    wait_for,
+)
 
 from kvatlas.launcher.supervisor import LocalCluster
 

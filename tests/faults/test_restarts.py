@@ -7,8 +7,19 @@ from collections.abc import Callable
 
 import aiohttp
 import pytest
-from fault_helpers import (LEASE_TTL, SYSTEM, Traffic, answered, assert_reference_tokens,
-                           etcd_keys, generate, get_json, route, sampling, wait_for)
+from fault_helpers import (
+    LEASE_TTL,
+    SYSTEM,
+    Traffic,
+    answered,
+    assert_reference_tokens,
+    etcd_keys,
+    generate,
+    get_json,
+    route,
+    sampling,
+    wait_for,
+)
 
 from engine.protocol import encode_text
 from index.etcd import EtcdClient, EtcdSettings

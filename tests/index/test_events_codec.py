@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from index.events.codec import (DecodeLimits, decode_message, decode_payload, encode_message,
-                                encode_payload)
+from index.events.codec import DecodeLimits, decode_message, decode_payload, encode_message, encode_payload
 from index.events.errors import MalformedEvent
 from index.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 from agent_helpers import eventually
-
 from etcd_fakes import HeldWatchClient
+
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout
 from index.lease import LeaseSession, cancel_and_wait

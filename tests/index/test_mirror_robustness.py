@@ -238,7 +238,7 @@ async def test_dropped_instances_are_not_remembered_forever(etcd: EtcdClient,
         await idx.settle()
         for i in range(5):
             await idx.drop(f"i{i}", revoke=True)
-            await wait_until(lambda: f"i{i}" not in idx.instances(), what="revoked keys to go")
+            await wait_until(lambda i=i: f"i{i}" not in idx.instances(), what="revoked keys to go")
         # Without any settle() in between, only the newest drop can still be waited for.
         assert set(idx._gone) <= {"i4"}
     finally:

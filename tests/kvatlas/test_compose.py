@@ -11,8 +11,7 @@ import pytest
 
 from kvatlas.etcd_proc import COMPACTION_ARGS
 from kvatlas.launcher.compose import compose_document, compose_topology, compose_yaml
-from kvatlas.launcher.topology import (SECRET_FLAGS, LocalNetwork, Service, normalized,
-                                       process_args)
+from kvatlas.launcher.topology import SECRET_FLAGS, LocalNetwork, Service, normalized, process_args
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

@@ -81,8 +81,9 @@ async def test_cuda_ipc_round_trip_between_two_processes() -> None:
 
     Nothing here may turn a broken round trip into a skip: no IPC (driver or container refusal
     makes the sender fall back to ``staged``), a wrong byte, or an error all fail."""
-    from transfer.backends.cuda_ipc import CudaIpcReceiver
     from transfer_helpers import pages_of, spawn_sender, stop
+
+    from transfer.backends.cuda_ipc import CudaIpcReceiver
 
     key = "cuda-ipc-round-trip-key-0123456789"
     src_ids, dst_ids, room = [5, 1, 7, 2], [0, 6, 3, 4], 2 ** 62 + 3

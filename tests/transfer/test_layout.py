@@ -80,7 +80,8 @@ def test_pool_writer(ids: list[int], heads: tuple[int, int]) -> None:
         assert torch.equal(dst[:, :, ids, :, :heads[0]], before[:, :, ids, :, :heads[0]])
 
 
-from hypothesis import given, strategies as st  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from transfer.backends._sender_core import plan_chunks  # noqa: E402
 

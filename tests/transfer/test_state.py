@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from transfer.base import (InvalidTransition, TransferConfig, TransferError, TransferState,
-                           TransferStatus)
+from transfer.base import InvalidTransition, TransferConfig, TransferError, TransferState, TransferStatus
 
 FORWARD = [TransferState.BOOTSTRAPPING, TransferState.WAITING_FOR_INPUT,
            TransferState.TRANSFERRING, TransferState.SUCCESS]

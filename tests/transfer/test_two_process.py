@@ -5,7 +5,8 @@ import asyncio
 
 import pytest
 import torch
-from transfer_helpers import fast_config, layout, pages_of, pool, spawn_sender as spawn, stop
+from transfer_helpers import fast_config, layout, pages_of, pool, stop
+from transfer_helpers import spawn_sender as spawn
 
 from transfer import HeartbeatMonitor, TransferError, TransferState
 from transfer.backends.zmq_backend import ZmqReceiver

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from transfer import wire
 from transfer.layout import KVLayout, bytes_tensor, tensor_bytes

@@ -9,8 +9,15 @@ from pathlib import Path
 
 import torch
 
-from transfer import (KVLayout, KVReceiver, KVSender, TensorPageSource, TransferConfig,
-                      create_receiver, create_sender)
+from transfer import (
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    TensorPageSource,
+    TransferConfig,
+    create_receiver,
+    create_sender,
+)
 
 SMALL = dict(num_layers=3, num_heads=4, head_dim=8, page_size=4)
 HERE = Path(__file__).resolve().parent

@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from transfer.backends.base import (Destination, KVReceiver, KVSender, ReceiveResult,
-                                    SenderHooks)
+from transfer.backends.base import Destination, KVReceiver, KVSender, ReceiveResult, SenderHooks
 from transfer.base import TransferConfig
 from transfer.layout import KVLayout, PageSource
 

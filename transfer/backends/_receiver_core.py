@@ -30,13 +30,11 @@ from typing import Any
 import torch
 
 from transfer import auth, wire
-from transfer.backends._receiver_checks import (PeerRx, check_coverage, chunk_problems,
-                                                requesters)
 from transfer.backends._chunks import check_room
+from transfer.backends._receiver_checks import PeerRx, check_coverage, chunk_problems, requesters
 from transfer.backends._receiver_write import PoolWriter
 from transfer.backends.base import KVReceiver, ReceiveResult
-from transfer.base import (TRANSFER_KEY_ENV, TransferConfig, TransferError, TransferState,
-                           TransferStatus)
+from transfer.base import TRANSFER_KEY_ENV, TransferConfig, TransferError, TransferState, TransferStatus
 from transfer.layout import KVLayout, bytes_array, dtype_from_name, intersect
 
 logger = logging.getLogger(__name__)
@@ -164,7 +162,7 @@ class ProtocolReceiver(KVReceiver):
             except TransferError:  # the answer failed authentication
                 await self._forget_peer(endpoint)
                 raise
-            except (asyncio.TimeoutError, ConnectionError, OSError) as e:
+            except (TimeoutError, ConnectionError, OSError) as e:
                 await self._forget_peer(endpoint)
                 why = (f"no answer within {self.config.connect_timeout_s} s"
                        if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}")
@@ -265,7 +263,7 @@ class ProtocolReceiver(KVReceiver):
             await self._send_frames(endpoint, self._encode(wire.Heartbeat(seq=seq)))
             await asyncio.wait_for(fut, timeout)
             return True
-        except (asyncio.TimeoutError, ConnectionError, OSError):
+        except (TimeoutError, ConnectionError, OSError):
             return False
         finally:
             peer.pings.pop(seq, None)

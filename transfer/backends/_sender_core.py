@@ -20,8 +20,7 @@ from transfer import auth, wire
 from transfer.backends._chunks import check_room, flip_first_byte, plan_chunks
 from transfer.backends._pending import EarlyTable, check_request, without_page_ids
 from transfer.backends.base import Destination, KVSender, SenderHooks
-from transfer.base import (TRANSFER_KEY_ENV, TransferConfig, TransferError, TransferState,
-                           TransferStatus)
+from transfer.base import TRANSFER_KEY_ENV, TransferConfig, TransferError, TransferState, TransferStatus
 from transfer.layout import KVLayout, PageSource, intersect, tensor_bytes
 
 logger = logging.getLogger(__name__)

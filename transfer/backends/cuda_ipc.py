@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
+from transfer import wire
 from transfer.backends._receiver_core import ReleasePages
 from transfer.backends._sender_core import _Registration
 from transfer.backends.zmq_backend import ZmqReceiver, ZmqSender
 from transfer.base import TransferConfig, TransferError, TransferLayerError
 from transfer.layout import KVLayout, PageSource, dtype_from_name, dtype_name, tensor_bytes
-from transfer import wire
 
 CHECKSUM_DSUM = "dsum64"
 DISABLE_ENV = "KVATLAS_DISABLE_CUDA_IPC"

@@ -17,7 +17,7 @@ from transfer.base import TransferConfig
 from transfer.layout import KVLayout, PageSource
 
 #: Live fake senders by endpoint. Per process; a closed sender removes itself.
-HUB: dict[str, "FakeSender"] = {}
+HUB: dict[str, FakeSender] = {}
 _names = itertools.count(1)
 
 
@@ -44,7 +44,7 @@ class FakeSender(ProtocolSender):
                  name: str | None = None) -> None:
         super().__init__(config, layout, source, host_id="fake", device="cpu")
         self.name = name or f"sender-{next(_names)}"
-        self._to_receiver: dict[Hashable, tuple["FakeReceiver", _Pipe]] = {}
+        self._to_receiver: dict[Hashable, tuple[FakeReceiver, _Pipe]] = {}
 
     @property
     def endpoint(self) -> str:
@@ -66,7 +66,7 @@ class FakeSender(ProtocolSender):
             receiver._peer_gone(self.endpoint)
         self._to_receiver.clear()
 
-    def _attach(self, conn: Hashable, receiver: "FakeReceiver") -> _Pipe:
+    def _attach(self, conn: Hashable, receiver: FakeReceiver) -> _Pipe:
         """Called by a receiver that connects; returns the pipe into this sender."""
         self._to_receiver[conn] = (receiver, _Pipe(lambda f: receiver._on_frames(self.endpoint, f)))
         return _Pipe(lambda f: self._on_frames(conn, f))

@@ -17,8 +17,8 @@ import torch
 import zmq
 import zmq.asyncio
 
-from transfer.backends._receiver_core import ProtocolReceiver, ReleasePages
 from transfer import wire
+from transfer.backends._receiver_core import ProtocolReceiver, ReleasePages
 from transfer.backends._sender_core import ProtocolSender
 from transfer.base import TransferConfig, host_identity
 from transfer.layout import KVLayout, PageSource
