@@ -53,7 +53,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from index.hashing import namespace_seed
 from index.table import BlockTable
@@ -64,6 +64,28 @@ from router.workers import Worker
 
 Lookup = Callable[[Sequence[int], "str | None"], dict[str, int]]
 """The block index read path: ``(prompt hashes, model) -> {instance: leading blocks held}``."""
+
+
+
+class Score(NamedTuple):
+    """One candidate of a decision: what its cost is made of (and /debug/route shows)."""
+
+    cost: float
+    """(prompt blocks - matched) x overlap_weight + load_blocks: lowest wins."""
+    load: int
+    """In-flight requests (``Worker.load``): breaks cost ties."""
+    matched: int
+    """Leading prompt blocks counted as held there (index or prediction)."""
+    worker: Worker
+    load_blocks: float
+    """Prefill work in blocks (``WorkLoad``), less the predicted blocks this prompt reuses."""
+    indexed: int
+    """Of ``matched``, the blocks the index shows."""
+
+
+# A Score without the generated __new__'s Python frame: this runs once per candidate per
+# decision (``Score(...)`` costs twice as much; bench/router.py part 2 measures the decision).
+_score = tuple.__new__
 
 # How many of an instance's newest pending predictions one decision checks against the index.
 CONFIRM_SCAN = 8
@@ -293,7 +315,7 @@ class KvAware(Policy):
         predicted = self.prediction.lookup(hashes) if n else {}
         weight = cfg.overlap_weight
         work = self.work.blocks
-        scored = []
+        scored: list[Score] = []
         for w in workers:
             iid = w.instance_id
             m_index = indexed.get(iid, 0) if indexed else 0
@@ -308,22 +330,25 @@ class KvAware(Policy):
                 m = m_index
             if load < 0.0:
                 load = 0.0
-            scored.append((float((n - m) * weight + load), w.load, m, w, load, m_index))
+            scored.append(_score(Score, (float((n - m) * weight + load), w.load, m, w, load,
+                                         m_index)))
         if cfg.temperature > 0 and len(scored) > 1:
             pick = self._sample(scored, cfg.temperature)
         else:
             # Lowest (cost, in-flight requests); ties in pool order, drawn at random.
-            ties = [scored[0]]
-            best = (scored[0][0], scored[0][1])
+            first = scored[0]
+            ties = [first]
+            best = (first.cost, first.load)
             for s in scored[1:]:
-                key = (s[0], s[1])
+                key = (s.cost, s.load)
                 if key < best:
                     best, ties = key, [s]
                 elif key == best:
                     ties.append(s)
             pick = self.rng.choice(ties)
-        return Choice(pick[3], lambda: _candidates(scored), matched_blocks=pick[2],
-                      prompt_blocks=n, hashes=hashes, indexed_blocks=pick[5], model=ctx.model)
+        return Choice(pick.worker, lambda: _candidates(scored), matched_blocks=pick.matched,
+                      prompt_blocks=n, hashes=hashes, indexed_blocks=pick.indexed,
+                      model=ctx.model)
 
     def _catch_up(self, instance: str, now: float, version: Hashable = _UNVERSIONED) -> None:
         """Settle ``instance``'s predictions the index has caught up with or that are too old."""
@@ -360,8 +385,8 @@ class KvAware(Policy):
             if not pending:
                 del self._pending[instance]
 
-    def _sample(self, scored: list, temperature: float) -> tuple:
-        costs = [s[0] for s in scored]
+    def _sample(self, scored: list[Score], temperature: float) -> Score:
+        costs = [s.cost for s in scored]
         lo, hi = min(costs), max(costs)
         span = (hi - lo) or 1.0
         weights = [math.exp(-((c - lo) / span) / temperature) for c in costs]
@@ -394,7 +419,8 @@ class KvAware(Policy):
         self._unconfirmed.pop(instance_id, None)
 
 
-def _candidates(scored: list[tuple]) -> list[dict[str, Any]]:
-    return [{"instance_id": w.instance_id, "matched_blocks": m, "load": load,
-             "load_blocks": round(lb, 3), "indexed_blocks": mi, "cost": c}
-            for c, load, m, w, lb, mi in sorted(scored, key=lambda s: (s[0], s[1]))]
+def _candidates(scored: list[Score]) -> list[dict[str, Any]]:
+    return [{"instance_id": s.worker.instance_id, "matched_blocks": s.matched, "load": s.load,
+             "load_blocks": round(s.load_blocks, 3), "indexed_blocks": s.indexed,
+             "cost": s.cost}
+            for s in sorted(scored, key=lambda s: (s.cost, s.load))]

@@ -10,6 +10,7 @@ from typing import Any
 from router.kv_aware import KvAware
 from router.policy import Policy, PowerOfTwo, RandomPolicy, RoundRobin
 
+
 def make_policy(name: str, **kv_args: Any) -> Policy:
     """The policy called ``name``; kv_aware takes ``KvAware``'s keyword arguments (``config``,
     ``lookup``, ``index_version``), the others none."""
