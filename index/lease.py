@@ -6,6 +6,7 @@ and every attached writer is told to rewrite its keys, because etcd deleted them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -91,7 +92,7 @@ class LeaseSession:
             self._changed.clear()
             try:
                 if self.lease_id is None:
-                    lease_id, _ = await self.client.grant(self.ttl)
+                    lease_id, _ = await self._grant()
                     self.lease_id = lease_id
                     self.generation += 1
                     logger.info("granted etcd lease %x (ttl %d s)", lease_id, self.ttl)
@@ -117,6 +118,17 @@ class LeaseSession:
                 await asyncio.wait_for(self._changed.wait(), timeout=delay)
             except TimeoutError:
                 pass
+
+    async def _grant(self) -> tuple[int, int]:
+        grant = asyncio.ensure_future(self.client.grant(self.ttl))
+        try:
+            return await asyncio.shield(grant)
+        except asyncio.CancelledError:
+            # Stopped while the grant was in flight: etcd grants it all the same, and a lease
+            # nobody knows would outlive this instance by its TTL. Keep its id for revoke().
+            with contextlib.suppress(EtcdError):
+                self.lease_id = (await asyncio.shield(grant))[0]
+            raise
 
     def _mark_ok(self) -> None:
         self.healthy = True
