@@ -17,10 +17,10 @@ from engine.http_common import error_middleware
 from engine.kv_pool import KVPool
 from engine.model import Combine, SeqChunk, Transformer
 from engine.pd.config import PDConfig
-from engine.pd.dist import Dist, RankInfo
-from engine.pd.replica import ReplicatedScheduler
-from engine.pd.uplink import UplinkServer
 from engine.prefix_cache import PrefixCache
+from engine.ranks.dist import Dist, RankInfo
+from engine.ranks.replica import ReplicatedScheduler
+from engine.ranks.uplink import UplinkServer
 from engine.scheduler import Scheduler
 from transfer import KVLayout
 from transfer.layout import dtype_from_name

@@ -34,12 +34,12 @@ from engine.pd.batch import (PDItem, answer_batch, item_ids, read_openai_item,
 from engine.pd.common import Bootstrap, json_error, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.fetch import DecodeRank, FetchError
-from engine.pd.prefill import CFG_KEY, RANKS_KEY, RankContext
 from engine.pd.registration_decode import DecodeRecord
-from engine.pd.replica import ReplicatedScheduler
 from engine.pd.restarts import PrefillRestarts
 from engine.pd.rooms import RoomLog, RoomRecord
-from engine.pd.uplink import UplinkServer
+from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, stop_engine
+from engine.ranks.replica import ReplicatedScheduler
+from engine.ranks.uplink import UplinkServer
 from engine.runner import AsyncEngine
 from engine.scheduler import Request
 from transfer import HeartbeatMonitor, ReceiveResult, create_receiver
@@ -336,52 +336,68 @@ async def stats_get(request: web.Request) -> web.Response:
 
 # -- lifecycle --------------------------------------------------------------------------------
 async def decode_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Start this leader, serve, stop. Each resource's close goes on the exit stack as soon as
+    it is opened, so a start that fails at any step (an instance id in use, a port taken)
+    closes everything started before it, in reverse order."""
+    async with contextlib.AsyncExitStack() as stack:
+        await start_decode(app, stack)
+        yield
+
+
+async def start_decode(app: web.Application, stack: contextlib.AsyncExitStack) -> None:
     cfg, ranks = app[CFG_KEY], app[RANKS_KEY]
     info, dist = ranks.info, ranks.dist
     assert dist is not None
     sched, layout, replica, uplink = await start_group_leader(cfg, info, dist)
+    if uplink is not None:
+        stack.push_async_callback(uplink.close)
     record = DecodeRecord(cfg, info) if cfg.etcd is not None else None
+    close_record = None
     if record is not None:
         await record.claim()  # before anything runs that a refusal would have to stop
+        close_record = once(record.close)
+        stack.push_async_callback(close_record)
     receiver = create_receiver(cfg.transfer_backend, cfg.transfer, layout, sched.pool.kv)
     await receiver.start()
+    close_receiver = once(receiver.close)
+    stack.push_async_callback(close_receiver)
     client = BootstrapClient(BootstrapClientConfig(auth_token=cfg.auth_token))
     await client.start()
+    stack.push_async_callback(client.close)
     engine = AsyncEngine(replica)  # type: ignore[arg-type]
     ds = DecodeState(cfg, ranks, engine, replica, DecodeRank(cfg, info, receiver, client),
                      uplink, RoomLog(cfg.room_log_keep, cfg.room_log_ttl_s))
     app[DECODE_KEY] = ds
-    with tempfile.TemporaryDirectory(prefix="kvatlas-decode-") as run_dir:
-        model_path = mono.prepare_model_path(cfg.engine, cfg.engine.model_config, run_dir)
-        app[STATE_KEY] = EngineState(cfg.engine, cfg.engine.model_config, engine,
-                                     make_registry(engine, cfg.engine.model_name), model_path,
-                                     time.time())
-        await engine.start()
-        restarts: asyncio.Task[None] | None = None
-        if record is not None:
-            await record.start()
-            watch = PrefillRestarts(record.client, record.layout,
-                                    lambda addr, why: forget_prefill(ds, addr, why))
-            restarts = asyncio.create_task(watch.run(), name="decode-prefill-restarts")
-        log.info("decode %s rank %s ready", cfg.instance_id, info.name)
-        try:
-            yield
-        finally:
-            if restarts is not None:
-                restarts.cancel()
-                await asyncio.gather(restarts, return_exceptions=True)
-            if record is not None:
-                await record.close()
-            for task in ds.monitors.values():
-                task.cancel()
-            await asyncio.gather(*ds.monitors.values(), return_exceptions=True)
-            await receiver.close()
-            with contextlib.suppress(RuntimeError):
-                await engine.call(replica.stop)
-            await engine.stop()
-            await client.close()
-            if uplink is not None:
-                await uplink.close()
+    run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvatlas-decode-"))
+    model_path = mono.prepare_model_path(cfg.engine, cfg.engine.model_config, run_dir)
+    app[STATE_KEY] = EngineState(cfg.engine, cfg.engine.model_config, engine,
+                                 make_registry(engine, cfg.engine.model_name), model_path,
+                                 time.time())
+    await engine.start()
+    stack.push_async_callback(stop_engine, engine, replica)
+
+    async def stop_fetching() -> None:
+        """At a stop: the heartbeats end and the receiver fails the rooms still in flight
+        before the engine stops."""
+        for task in ds.monitors.values():
+            task.cancel()
+        await asyncio.gather(*ds.monitors.values(), return_exceptions=True)
+        await close_receiver()
+    stack.push_async_callback(stop_fetching)
+    if record is not None and close_record is not None:
+        await record.start()
+        # At a stop the record goes first: routers drop this decode before it stops fetching.
+        stack.push_async_callback(close_record)
+        watch = PrefillRestarts(record.client, record.layout,
+                                lambda addr, why: forget_prefill(ds, addr, why))
+        restarts = asyncio.create_task(watch.run(), name="decode-prefill-restarts")
+        stack.push_async_callback(cancel_and_wait, restarts)
+    log.info("decode %s rank %s ready", cfg.instance_id, info.name)
+
+
+async def cancel_and_wait(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def create_decode_app(cfg: PDConfig, ranks: RankContext | None = None) -> web.Application:

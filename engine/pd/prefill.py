@@ -27,6 +27,7 @@ from aiohttp import web
 from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from bootstrap.config import BootstrapConfig
 from bootstrap.http_limits import make_runner
+from bootstrap.registration import put_route
 from bootstrap.server import STATE as BOOTSTRAP_STATE
 from bootstrap.server import create_app as create_bootstrap_app
 from engine import server as mono
@@ -37,41 +38,21 @@ from engine.pd.batch import (PDItem, answer_batch, item_ids, read_openai_item,
                              read_pd_items)
 from engine.pd.common import Bootstrap, json_error, start_group_leader, worker_app
 from engine.pd.config import PDConfig
-from engine.pd.dist import Dist, RankInfo
-from engine.pd.registration import EventFeed, put_route, route_body
-from engine.pd.replica import ReplicatedScheduler
-from engine.pd.uplink import UplinkServer
+from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, rank_route, stop_engine
+from engine.ranks.replica import ReplicatedScheduler
+from engine.ranks.uplink import UplinkServer
 from engine.runner import AsyncEngine
-from engine.pd.dp_index import DPUnion
 from index.agent import WriterIndex
+from index.dp_union import DPUnion
+from index.events.feed import EventFeed
+from index.events.ingest import InstanceIngestor
 from index.events.publisher import KVEventPublisher, PublisherConfig
 from index.events.subscriber import KVEventSubscriber, SubscriberConfig
-from index.events.ingest import InstanceIngestor
 from index.keys import KeyLayout
 from index.writer import BlockWriter
 from transfer import KVSender, TensorPageSource, TransferError, create_sender
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RankContext:
-    """Where this leader sits in its instance (a one-rank instance by default)."""
-
-    info: RankInfo = field(default_factory=lambda: RankInfo(0, 1, 1, 1))
-    dist: Dist | None = None
-    bootstrap_port: int | None = None
-    """The instance's bootstrap port as world rank 0 broadcast it."""
-    dp_urls: list[str] = field(default_factory=list)
-    """HTTP base URL of every DP group's leader (index = dp rank), for world rank 0."""
-    event_endpoints: list[str | None] = field(default_factory=list)
-    """Per DP rank: where that group's KV events go (world rank 0 binds; empty: not indexed)."""
-    replay_endpoints: list[str | None] = field(default_factory=list)
-    """Per DP rank: that group's KV-event replay endpoint."""
-
-    def __post_init__(self) -> None:
-        if self.dist is None:
-            self.dist = Dist(self.info, None)
 
 
 @dataclass
@@ -93,8 +74,6 @@ class PrefillState:
 
 
 PREFILL_KEY = web.AppKey("pd_prefill", PrefillState)
-CFG_KEY = web.AppKey("pd_config", PDConfig)
-RANKS_KEY = web.AppKey("pd_ranks", RankContext)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -282,104 +261,104 @@ async def stats_get(request: web.Request) -> web.Response:
 
 # -- lifecycle --------------------------------------------------------------------------------
 async def prefill_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Start this leader, serve, stop. Each resource's close goes on the exit stack as soon as
+    it is opened, so a start that fails at any step (a port or instance id in use, ``PUT
+    /route`` refused) closes everything started before it, in reverse order."""
+    async with contextlib.AsyncExitStack() as stack:
+        await start_prefill(app, stack)
+        yield
+
+
+async def start_prefill(app: web.Application, stack: contextlib.AsyncExitStack) -> None:
     cfg, ranks = app[CFG_KEY], app[RANKS_KEY]
     info, dist = ranks.info, ranks.dist
     assert dist is not None
     sched, layout, replica, uplink = await start_group_leader(cfg, info, dist)
+    if uplink is not None:
+        stack.push_async_callback(uplink.close)
     sender = create_sender(cfg.transfer_backend, cfg.transfer, layout,
                            TensorPageSource(sched.pool.kv, layout), host=cfg.engine.host)
+    close_sender = once(sender.close)
+    stack.push_async_callback(close_sender)
     await sender.start()
     bport = ranks.bootstrap_port or cfg.bootstrap_port
-    boot_runner = feed = writer = None
-    subs: list[KVEventSubscriber] = []
+    writer = sink = None
     if info.world_rank == 0:
-        url = f"http://{cfg.public_host}:{cfg.engine.port}"
-        bcfg = BootstrapConfig(instance_id=cfg.instance_id or "", model=cfg.engine.model_name,
-                               host=cfg.engine.host, port=bport, etcd=cfg.etcd,
-                               advertise_host=cfg.public_host, auth_token=cfg.auth_token,
-                               etcd_prefix=cfg.etcd_prefix, lease_ttl=cfg.lease_ttl,
-                               read_timeout_s=cfg.engine.read_timeout_s,
-                               instance_fields={"url": url, "tp_size": info.tp_size,
-                                                "dp_size": info.dp_size})
-        bapp = create_bootstrap_app(bcfg)
-        boot_runner = make_runner(bapp, access_log=None)
-        try:
-            await boot_runner.setup()  # claims the instance id (InstanceIdInUse)
-            await web.TCPSite(boot_runner, cfg.engine.host, bport).start()
-        except BaseException:
-            # Refused (an id or a port in use): stop what already runs, then say why.
-            await boot_runner.cleanup()
-            await sender.close()
-            if uplink is not None:
-                await uplink.close()
-            raise
-        mirror = bapp[BOOTSTRAP_STATE].mirror
-        if mirror is not None:
-            writer = BlockWriter(mirror.session, KeyLayout(prefix=cfg.etcd_prefix),
-                                 cfg.engine.model_name, bcfg.instance_id)
-            writer.start()
-            union = DPUnion(WriterIndex(writer))
-            feed = EventFeed(InstanceIngestor(union.view(0), bcfg.instance_id,
-                                              block_size=cfg.engine.page_size))
-            feed.start()
-            subs = await subscribe_dp_groups(cfg, ranks, union, bcfg.instance_id)
-    sink = feed.sink if feed else None
+        writer, sink = await start_bootstrap(cfg, ranks, bport, stack)
     # Made after the bootstrap server is up: a start it refuses (a port in use, an instance id
-    # in use) leaves no session unclosed.
+    # in use) has no session to close.
     session = aiohttp.ClientSession()
-    publisher = None
+    stack.push_async_callback(session.close)
     if info.dp_rank > 0 and len(ranks.event_endpoints) > info.dp_rank:
         publisher = KVEventPublisher(PublisherConfig(
             endpoint=ranks.event_endpoints[info.dp_rank] or "",
             replay_endpoint=ranks.replay_endpoints[info.dp_rank]))
         await publisher.start()
+        stack.push_async_callback(publisher.close)
         sink = publisher.drain
     engine = AsyncEngine(replica, event_sink=sink)  # type: ignore[arg-type]
     _, rank_port = sender.rank_address
     http_port = int(ranks.dp_urls[0].rsplit(":", 1)[1]) if ranks.dp_urls else None
     # Decodes dial rank_ip: the advertised host, not the (possibly wildcard) bind address.
     await put_route(f"http://{cfg.engine.host}:{bport}",
-                    route_body(cfg, info, cfg.public_host, rank_port, http_port),
+                    rank_route(cfg, info, cfg.public_host, rank_port, http_port),
                     token=cfg.auth_token)
     bclient = BootstrapClient(BootstrapClientConfig(auth_token=cfg.auth_token))
     await bclient.start()
+    stack.push_async_callback(bclient.close)
     ps = PrefillState(cfg, ranks, engine, replica, sender, uplink, session, writer, bclient)
     app[PREFILL_KEY] = ps
-    with tempfile.TemporaryDirectory(prefix="kvatlas-prefill-") as run_dir:
-        model_path = mono.prepare_model_path(cfg.engine, cfg.engine.model_config, run_dir)
-        app[STATE_KEY] = EngineState(cfg.engine, cfg.engine.model_config, engine,
-                                     make_registry(engine, cfg.engine.model_name), model_path,
-                                     time.time())
-        await engine.start()
-        log.info("prefill %s rank %s ready: KV sender %s, bootstrap %s:%d", cfg.instance_id,
-                 info.name, sender.endpoint, cfg.engine.host, bport)
-        try:
-            yield
-        finally:
-            await sender.close()
-            with contextlib.suppress(RuntimeError):
-                await engine.call(replica.stop)
-            await engine.stop()
-            if feed is not None:
-                await feed.close()
-            for sub in subs:
-                await sub.close()
-            if publisher is not None:
-                await publisher.close()
-            if writer is not None:
-                await writer.close()
-            if boot_runner is not None:
-                await boot_runner.cleanup()
-            if uplink is not None:
-                await uplink.close()
-            await bclient.close()
-            await session.close()
+    run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvatlas-prefill-"))
+    model_path = mono.prepare_model_path(cfg.engine, cfg.engine.model_config, run_dir)
+    app[STATE_KEY] = EngineState(cfg.engine, cfg.engine.model_config, engine,
+                                 make_registry(engine, cfg.engine.model_name), model_path,
+                                 time.time())
+    await engine.start()
+    stack.push_async_callback(stop_engine, engine, replica)
+    # At a stop the sender closes first, failing the rooms still open, before the engine stops.
+    stack.push_async_callback(close_sender)
+    log.info("prefill %s rank %s ready: KV sender %s, bootstrap %s:%d", cfg.instance_id,
+             info.name, sender.endpoint, cfg.engine.host, bport)
+
+
+async def start_bootstrap(cfg: PDConfig, ranks: RankContext, bport: int,
+                          stack: contextlib.AsyncExitStack
+                          ) -> tuple[BlockWriter | None, Any]:
+    """World rank 0: the instance's bootstrap server and, with etcd, its index writer fed by
+    every DP group's prefix cache. Returns (writer, this group's KV event sink) or Nones."""
+    info = ranks.info
+    url = f"http://{cfg.public_host}:{cfg.engine.port}"
+    bcfg = BootstrapConfig(instance_id=cfg.instance_id or "", model=cfg.engine.model_name,
+                           host=cfg.engine.host, port=bport, etcd=cfg.etcd,
+                           advertise_host=cfg.public_host, auth_token=cfg.auth_token,
+                           etcd_prefix=cfg.etcd_prefix, lease_ttl=cfg.lease_ttl,
+                           read_timeout_s=cfg.engine.read_timeout_s,
+                           instance_fields={"url": url, "tp_size": info.tp_size,
+                                            "dp_size": info.dp_size})
+    bapp = create_bootstrap_app(bcfg)
+    boot_runner = make_runner(bapp, access_log=None)
+    stack.push_async_callback(boot_runner.cleanup)
+    await boot_runner.setup()  # claims the instance id (InstanceIdInUse)
+    await web.TCPSite(boot_runner, cfg.engine.host, bport).start()
+    mirror = bapp[BOOTSTRAP_STATE].mirror
+    if mirror is None:
+        return None, None
+    writer = BlockWriter(mirror.session, KeyLayout(prefix=cfg.etcd_prefix),
+                         cfg.engine.model_name, bcfg.instance_id)
+    writer.start()
+    stack.push_async_callback(writer.close)
+    union = DPUnion(WriterIndex(writer))
+    feed = EventFeed(InstanceIngestor(union.view(0), bcfg.instance_id,
+                                      block_size=cfg.engine.page_size))
+    feed.start()
+    stack.push_async_callback(feed.close)
+    await subscribe_dp_groups(cfg, ranks, union, bcfg.instance_id, stack)
+    return writer, feed.sink
 
 
 async def subscribe_dp_groups(cfg: PDConfig, ranks: RankContext, union: DPUnion,
-                              instance_id: str) -> list[KVEventSubscriber]:
+                              instance_id: str, stack: contextlib.AsyncExitStack) -> None:
     """World rank 0: index the other DP groups' prefix caches too (their KV events)."""
-    subs = []
     for dp in range(1, len(ranks.event_endpoints)):
         endpoint = ranks.event_endpoints[dp]
         if endpoint is None:
@@ -390,8 +369,7 @@ async def subscribe_dp_groups(cfg: PDConfig, ranks: RankContext, union: DPUnion,
         sub = KVEventSubscriber(SubscriberConfig(endpoint=endpoint, replay_endpoint=replay),
                                 ingestor)
         await sub.start()
-        subs.append(sub)
-    return subs
+        stack.push_async_callback(sub.close)
 
 
 def create_prefill_app(cfg: PDConfig, ranks: RankContext | None = None) -> web.Application:

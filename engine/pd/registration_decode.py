@@ -8,7 +8,7 @@ import logging
 import time
 
 from engine.pd.config import PDConfig
-from engine.pd.dist import RankInfo
+from engine.ranks.dist import RankInfo
 from index.claim import ensure_id_free
 from index.errors import EtcdError, InstanceIdInUse
 from index.etcd import EtcdClient

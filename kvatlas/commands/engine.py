@@ -36,7 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run(engine)
         return 0
     from engine.pd.config import PDConfig
-    from engine.pd.launch import serve
+    from engine.ranks.launch import serve
     from kvatlas.commands._common import etcd_settings
 
     cfg = PDConfig.from_cli_args(args, engine, etcd_settings(args) if args.etcd else None)

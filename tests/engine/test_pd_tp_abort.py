@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine.pd.replica import loop_handoff
+from engine.ranks.replica import loop_handoff
 from pd_helpers import monolithic, pd_body
 from pd_procs import assert_at_rest, proc_pair
 

@@ -9,12 +9,13 @@ world rank 0 can forward requests to the group that serves them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -23,15 +24,17 @@ from aiohttp import web
 
 from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from bootstrap.http_limits import runner_options
+from bootstrap.registration import put_route
 from engine.pd.common import Bootstrap, build_rank
 from engine.pd.config import PDConfig
-from engine.pd.dist import Dist, RankInfo, die_with_parent, local_world_ranks
 from engine.pd.fetch import DecodeRank, FetchError
-from engine.pd.rank_watch import RankWatch
-from engine.pd.registration import put_route, route_body
-from engine.pd.replica import follow, loop_handoff
-from engine.pd.uplink import UplinkClient
-from transfer import TensorPageSource, TransferError, create_receiver, create_sender
+from engine.pd.state import RankContext, rank_route
+from engine.ranks.dist import Dist, RankInfo, die_with_parent, local_world_ranks
+from engine.ranks.rank_watch import RankWatch
+from engine.ranks.replica import follow, loop_handoff
+from engine.ranks.uplink import UplinkClient
+from engine.scheduler import Scheduler
+from transfer import KVLayout, TensorPageSource, TransferError, create_receiver, create_sender
 from transfer.tuning import tune_host_allocator
 
 log = logging.getLogger(__name__)
@@ -111,8 +114,6 @@ def run_rank(cfg: PDConfig, world_rank: int, init_addr: str | None,
                    for d in range(cfg.dp)]
         replays = [ports[d * cfg.tp][2] for d in range(cfg.dp)]
         if info.is_leader:
-            from engine.pd.prefill import RankContext
-
             mine = replace(cfg, engine=replace(cfg.engine, port=port), bootstrap_port=bport)
             ranks = RankContext(info, dist, bport, dp_urls, events or [], replays)
             if cfg.mode == "prefill":
@@ -136,67 +137,83 @@ def run_rank(cfg: PDConfig, world_rank: int, init_addr: str | None,
 async def follower_main(cfg: PDConfig, info: RankInfo, dist: Dist, boot: Bootstrap) -> None:
     loop = asyncio.get_running_loop()
     sched, layout = await loop.run_in_executor(None, build_rank, cfg, info, dist)
-    uplink = UplinkClient(dist.group_broadcast(None), info.tp_rank)
-    closers: list[Any] = []
-    if cfg.mode == "prefill":
-        sender = create_sender(cfg.transfer_backend, cfg.transfer, layout,
-                               TensorPageSource(sched.pool.kv, layout), host=cfg.engine.host)
-        await sender.start()
-        closers.append(sender.close)
-        _, rank_port = sender.rank_address
-        await put_route(f"http://{boot.addr}", route_body(cfg, info, cfg.public_host, rank_port),
-                        token=cfg.auth_token)
-
-        async def on_op(op: tuple[Any, ...]) -> None:
-            if op[0] == "abort":
-                # The leader gave the room up (its client left, or its own send failed): fail
-                # it here now, not at this rank's timeout; the pending send then reports it.
-                # Runs before the engine thread gives the pages back (loop_handoff waits).
-                _, room, reason = op
-                sender.abort(room, reason)
-                return
-            if op[0] != "send":
-                return
-            _, room, pages, first, cached = op
-            try:
-                sender.create(room)
-                await sender.send(room, pages, first_token=first, cached_tokens=cached)
-                await uplink.report("send", room, True)
-            except TransferError as exc:
-                await uplink.report("send", room, False, str(exc))
-    else:
-        receiver = create_receiver(cfg.transfer_backend, cfg.transfer, layout, sched.pool.kv)
-        await receiver.start()
-        client = BootstrapClient(BootstrapClientConfig(auth_token=cfg.auth_token))
-        await client.start()
-        closers += [receiver.close, client.close]
-        rank = DecodeRank(cfg, info, receiver, client)
-        aborted: dict[int, str] = {}
-
-        async def on_op(op: tuple[Any, ...]) -> None:
-            kind = op[0]
-            if kind == "receive":
-                _, host, port, room, pages = op
-                try:
-                    res = await rank.fetch(Bootstrap(host, port, room), pages,
-                                           guard=lambda: aborted.pop(room, None))
-                    await uplink.report("receive", room, True, first_token=res.first_token)
-                except FetchError as exc:
-                    await uplink.report("receive", room, False, exc.reason, stage=exc.stage,
-                                        peer=exc.peer)
-            elif kind == "abort":
-                _, room, reason = op
-                if receiver.poll(room) is None:
-                    aborted[room] = reason
-                receiver.abort(room, reason)
-            elif kind == "fail_prefill":
-                rank.fail_prefill(op[1], op[2])
-
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-    try:
+    # A start that fails at any step closes what it had opened (in reverse order), as a stop does.
+    async with contextlib.AsyncExitStack() as stack:
+        uplink = UplinkClient(dist.group_broadcast(None), info.tp_rank)
+        stack.callback(uplink.close)
+        start = prefill_follower if cfg.mode == "prefill" else decode_follower
+        on_op = await start(cfg, info, sched, layout, boot, uplink, stack)
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        stack.callback(executor.shutdown, wait=False)
         await loop.run_in_executor(executor, follow, sched, dist, loop_handoff(loop, on_op))
-    finally:
-        executor.shutdown(wait=False)
-        for close in closers:
-            await close()
-        uplink.close()
+
+
+OnOp = Callable[[tuple[Any, ...]], Awaitable[None]]
+
+
+async def prefill_follower(cfg: PDConfig, info: RankInfo, sched: Scheduler, layout: KVLayout,
+                           boot: Bootstrap, uplink: UplinkClient,
+                           stack: contextlib.AsyncExitStack) -> OnOp:
+    """A prefill follower's sender, registered with the bootstrap server; returns the handler
+    of the leader's transfer commands."""
+    sender = create_sender(cfg.transfer_backend, cfg.transfer, layout,
+                           TensorPageSource(sched.pool.kv, layout), host=cfg.engine.host)
+    await sender.start()
+    stack.push_async_callback(sender.close)
+    _, rank_port = sender.rank_address
+    await put_route(f"http://{boot.addr}", rank_route(cfg, info, cfg.public_host, rank_port),
+                    token=cfg.auth_token)
+
+    async def on_op(op: tuple[Any, ...]) -> None:
+        if op[0] == "abort":
+            # The leader gave the room up (its client left, or its own send failed): fail
+            # it here now, not at this rank's timeout; the pending send then reports it.
+            # Runs before the engine thread gives the pages back (loop_handoff waits).
+            _, room, reason = op
+            sender.abort(room, reason)
+            return
+        if op[0] != "send":
+            return
+        _, room, pages, first, cached = op
+        try:
+            sender.create(room)
+            await sender.send(room, pages, first_token=first, cached_tokens=cached)
+            await uplink.report("send", room, True)
+        except TransferError as exc:
+            await uplink.report("send", room, False, str(exc))
+    return on_op
+
+
+async def decode_follower(cfg: PDConfig, info: RankInfo, sched: Scheduler, layout: KVLayout,
+                          boot: Bootstrap, uplink: UplinkClient,
+                          stack: contextlib.AsyncExitStack) -> OnOp:
+    """A decode follower's receiver and bootstrap client; returns the handler of the leader's
+    transfer commands."""
+    receiver = create_receiver(cfg.transfer_backend, cfg.transfer, layout, sched.pool.kv)
+    await receiver.start()
+    stack.push_async_callback(receiver.close)
+    client = BootstrapClient(BootstrapClientConfig(auth_token=cfg.auth_token))
+    await client.start()
+    stack.push_async_callback(client.close)
+    rank = DecodeRank(cfg, info, receiver, client)
+    aborted: dict[int, str] = {}
+
+    async def on_op(op: tuple[Any, ...]) -> None:
+        kind = op[0]
+        if kind == "receive":
+            _, host, port, room, pages = op
+            try:
+                res = await rank.fetch(Bootstrap(host, port, room), pages,
+                                       guard=lambda: aborted.pop(room, None))
+                await uplink.report("receive", room, True, first_token=res.first_token)
+            except FetchError as exc:
+                await uplink.report("receive", room, False, exc.reason, stage=exc.stage,
+                                    peer=exc.peer)
+        elif kind == "abort":
+            _, room, reason = op
+            if receiver.poll(room) is None:
+                aborted[room] = reason
+            receiver.abort(room, reason)
+        elif kind == "fail_prefill":
+            rank.fail_prefill(op[1], op[2])
+    return on_op

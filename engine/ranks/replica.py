@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from engine.pd.dist import Dist
+from engine.ranks.dist import Dist
 from engine.sampling import make_generator
 from engine.scheduler import Request, RequestOutput, Scheduler
 
