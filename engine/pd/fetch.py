@@ -21,9 +21,10 @@ from typing import Any
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapError, TopologyMismatch
 from bootstrap.mapping import DecodeParallel
+from engine.errors import EngineError
 from engine.pd.common import Bootstrap
 from engine.pd.config import PDConfig
-from engine.pd.dist import RankInfo
+from engine.ranks.dist import RankInfo
 from transfer import KVReceiver, ReceiveResult, TransferError
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 OnStage = Callable[[str, dict[str, Any]], None]
 
 
-class FetchError(Exception):
+class FetchError(EngineError):
     """Fetching a room's KV failed at ``stage`` on decode rank ``rank`` (``peer``: the prefill
     rank or bootstrap address involved)."""
 
