@@ -23,12 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.client_ids import ClientRid, RidEcho, engine_rid
+from router.errors import NoWorkers
 from router.http.client import UpstreamError, UpstreamResponse
 from router.http.headers import encode_headers
 from router.http.server import Request, Response, Stream
 from router.policy import RouteContext
 from router.requests import Parsed, inject
-from router.state import NoWorkers, Pair, RouterState
+from router.state import Pair, RouterState
 from router.upstreams import Upstreams
 from router.workers import Worker
 

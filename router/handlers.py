@@ -7,14 +7,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from router.admission import Admission, Overloaded
+from router.admission import Admission
 from router.client_ids import client_rid, new_request_id
 from router.config import parse_bootstrap_port
 from router.dispatch import HOP_HEADERS, Dispatcher, json_error
+from router.errors import BadRequest, RouterError
 from router.http.server import Request, Response, Stream, json_response
 from router.policy import RouteContext
-from router.requests import ANY, CHAT, COMPLETIONS, GENERATE, BadRequest, load_json, parse_body
-from router.state import NoWorkers, RouterState, UnknownModel
+from router.requests import ANY, CHAT, COMPLETIONS, GENERATE, load_json, parse_body
+from router.state import RouterState
 from router.workers import DECODE, PREFILL, ROLES
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,13 @@ class Services:
     state: RouterState
     dispatcher: Dispatcher
     admission: Admission
+
+
+def error_response(exc: RouterError, request_id: str | None = None) -> Response:
+    """The one mapping of the router's errors to HTTP answers: ``exc.status`` with
+    ``{"error": str(exc), **exc.extra}``. ``RouterApp.handle`` answers every RouterError a
+    handler raises with it; ``_proxy`` calls it itself to add the request id."""
+    return json_error(exc.status, str(exc), request_id, **exc.extra)
 
 
 def _usable_id(value: str) -> bool:
@@ -59,26 +67,21 @@ async def _proxy(svc: Services, request: Request, kind: str,
     state = svc.state
     given = given_request_id(request, state.config.request_id_headers)
     rid = given or new_request_id()
+    admission = svc.admission
+    limited = admission.limit > 0  # without a limit nothing is counted
     try:
         parsed = await parse_body(kind, request.body, state.config.max_tokens,
                                   state.pools.limits, state.config.block_size)
         crid = client_rid(parsed.body, parsed.batch)
         state.check_model(parsed.model)
-    except BadRequest as exc:
-        return json_error(exc.status, str(exc), rid)
-    except UnknownModel as exc:
-        return json_error(404, str(exc), rid)
-    if crid is not None and given is None and isinstance(crid, str) and _usable_id(crid):
-        # The client's own id names the request in logs and comes back in x-request-id; the
-        # engines get a unique one instead (router.client_ids).
-        rid = crid
-    admission = svc.admission
-    limited = admission.limit > 0  # without a limit nothing is counted
-    if limited:
-        try:
+        if crid is not None and given is None and isinstance(crid, str) and _usable_id(crid):
+            # The client's own id names the request in logs and comes back in x-request-id;
+            # the engines get a unique one instead (router.client_ids).
+            rid = crid
+        if limited:
             await admission.enter()
-        except Overloaded as exc:
-            return json_error(exc.status, str(exc), rid)
+    except RouterError as exc:  # bad body, unknown model, no slot: answered with the id
+        return error_response(exc, rid)
     try:
         return await svc.dispatcher.forward(request, path, path, parsed,
                                             forward_headers(request, rid), rid, crid)
@@ -101,21 +104,12 @@ async def chat(svc: Services, request: Request) -> Response | Stream:
 
 async def debug_route(svc: Services, request: Request) -> Response:
     state = svc.state
-    try:
-        parsed = await parse_body(ANY, request.body, state.config.max_tokens,
-                                  state.pools.limits, state.config.block_size)
-        state.check_model(parsed.model)
-    except BadRequest as exc:
-        return json_error(exc.status, str(exc))
-    except UnknownModel as exc:
-        return json_error(404, str(exc))
+    parsed = await parse_body(ANY, request.body, state.config.max_tokens,
+                              state.pools.limits, state.config.block_size)
+    state.check_model(parsed.model)
     t0 = time.perf_counter()
-    try:
-        ctx = RouteContext(parsed.prompts[0], parsed.model or state.config.model,
-                           parsed.hashes)
-        pair = state.select_pair(ctx)
-    except NoWorkers as exc:
-        return json_error(503, str(exc), role=exc.role)
+    ctx = RouteContext(parsed.prompts[0], parsed.model or state.config.model, parsed.hashes)
+    pair = state.select_pair(ctx)
     p, d = pair.prefill, pair.decode
     return json_response({
         "prefill": {"instance_id": p.worker.instance_id, "url": p.worker.url,
@@ -206,10 +200,8 @@ async def add_worker(svc: Services, request: Request) -> Response:
         port = parse_bootstrap_port(args.get("bootstrap_port")) if role == PREFILL else None
         worker = state.pools.add(role, url, instance_id=iid, bootstrap_port=port,
                                  model=state.config.model, source="admin")
-    except BadRequest as exc:
-        return json_error(400, str(exc))
-    except ValueError as exc:
-        return json_error(400, str(exc))
+    except ValueError as exc:  # a bad URL or port, as the pools and the config say it
+        raise BadRequest("", str(exc)) from None
     return json_response(worker.describe(), status=201)
 
 
@@ -218,10 +210,7 @@ async def delete_worker(svc: Services, request: Request) -> Response:
     if denied is not None:
         return denied
     state = svc.state
-    try:
-        args = _admin_args(request)
-    except BadRequest as exc:
-        return json_error(400, str(exc))
+    args = _admin_args(request)
     url, iid = args.get("url"), args.get("instance_id")
     if isinstance(iid, str):
         gone = [w for w in (state.pools.remove(r, iid) for r in (PREFILL, DECODE)) if w]
