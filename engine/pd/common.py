@@ -22,13 +22,13 @@ from engine.ranks.dist import Dist, RankInfo
 from engine.ranks.replica import ReplicatedScheduler
 from engine.ranks.uplink import UplinkServer
 from engine.scheduler import Scheduler
+from index.rooms import ROUTER_ROOMS
 from transfer import KVLayout
 from transfer.layout import dtype_from_name
 
 log = logging.getLogger(__name__)
 
 ROUTER_HINT = "send PD requests through the router"
-MAX_ROOM = 2**63 - 1
 
 
 class ShardedModel:
@@ -89,8 +89,8 @@ def bootstrap_fields(body: dict[str, Any]) -> Bootstrap:
         raise BadRequest("bootstrap_host", "must be a non-empty string")
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise BadRequest("bootstrap_port", f"must be an integer in 1..65535, got {port!r}")
-    if isinstance(room, bool) or not isinstance(room, int) or not 0 < room <= MAX_ROOM:
-        raise BadRequest("bootstrap_room", f"must be an integer in [1, 2^63-1], got {room!r}")
+    if room not in ROUTER_ROOMS:  # what the router draws; the KV transfer refuses room 0
+        raise BadRequest("bootstrap_room", f"must be an integer in {ROUTER_ROOMS}, got {room!r}")
     return Bootstrap(host, port, room)
 
 
