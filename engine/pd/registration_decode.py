@@ -12,11 +12,22 @@ from engine.ranks.dist import RankInfo
 from index.claim import ensure_id_free
 from index.errors import EtcdError, InstanceIdInUse
 from index.etcd import EtcdClient
-from index.keys import KeyLayout, dumps
+from index.keys import KeyLayout
 from index.lease import LeaseSession
 from index.owned import LeasedKeys
+from index.record import DECODE, InstanceRecord
 
 log = logging.getLogger(__name__)
+
+
+def decode_record(cfg: PDConfig, info: RankInfo) -> InstanceRecord:
+    """This decode's instance record (``started_at``: now, a new value per process)."""
+    assert cfg.instance_id is not None
+    e = cfg.engine
+    return InstanceRecord(
+        instance_id=cfg.instance_id, role=DECODE, model=e.model_name,
+        url=f"http://{cfg.public_host}:{e.port}", tp_size=info.tp_size, dp_size=info.dp_size,
+        page_size=e.page_size, kv_cache_dtype=cfg.kv_dtype, ready=True, started_at=time.time())
 
 
 class DecodeRecord:
@@ -26,14 +37,10 @@ class DecodeRecord:
         self.client = EtcdClient(cfg.etcd)
         self.session = LeaseSession(self.client, cfg.lease_ttl)
         self.keys = LeasedKeys(self.session, [])
-        e = cfg.engine
         self.instance_id = cfg.instance_id
         self.key = self.layout.instance(cfg.instance_id)
-        self.keys.set(self.key, dumps({
-            "instance_id": cfg.instance_id, "role": "decode", "model": e.model_name,
-            "url": f"http://{cfg.public_host}:{e.port}", "tp_size": info.tp_size,
-            "page_size": e.page_size, "kv_cache_dtype": cfg.kv_dtype, "ready": True,
-            "started_at": time.time()}))
+        self.record = decode_record(cfg, info)
+        self.keys.set(self.key, self.record.to_json())
         self._tasks: list[asyncio.Task[None]] = []
 
     async def claim(self) -> None:
@@ -62,6 +69,6 @@ class DecodeRecord:
                 await task
         try:
             await asyncio.wait_for(self.session.revoke(), 3.0)
-        except (asyncio.TimeoutError, EtcdError):
+        except (TimeoutError, EtcdError):
             log.warning("decode lease revoke failed; the record expires with the lease TTL")
         await self.client.close()
