@@ -1,4 +1,4 @@
-# The two Quick-start commands: `make run` (the demo) and `make test` (the full suite).
+# The two Quick-start commands: `make run` (the demo) and `make test` (lint, then the full suite).
 # Each creates .venv and installs what it needs on first use.
 PYTHON ?= python3
 VENV := .venv
@@ -18,6 +18,7 @@ run: $(STAMP)
 	$(VENV)/bin/kvatlas demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q
 
 clean:

@@ -243,13 +243,13 @@ async def part1(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
 # --- part 2: decision time ----------------------------------------------------------------------
 
 def part2(instances: int, blocks: int, samples: int) -> dict[str, Any]:
+    from index.hashing import block_hashes
     from index.keys import KeyLayout
     from index.mirror import BlockMirror
     from router.config import RouterConfig
     from router.policy import RouteContext
     from router.state import RouterState
     from router.tokenize import encode_text
-    from index.hashing import block_hashes
 
     cfg = RouterConfig(prefill=[(f"http://127.0.0.1:{20000 + i}", None)
                                 for i in range(instances)],
@@ -266,7 +266,7 @@ def part2(instances: int, blocks: int, samples: int) -> dict[str, Any]:
     systems = [f"system prompt {i}: " + "policy text " * 90 for i in range(500)]
     sys_hashes = [block_hashes(encode_text(s), 16) for s in systems]
     total = 0
-    for i, hs in enumerate(sys_hashes):
+    for hs in sys_hashes:
         for iid in rng.sample(ids, 4):
             table.apply_add(iid, hs)
         total += len(hs)

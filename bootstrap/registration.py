@@ -51,7 +51,7 @@ async def put_route(bootstrap_url: str, body: dict[str, Any], tries: int = PUT_T
                     last = f"HTTP {resp.status}: {text[:200]}"
                     if 400 <= resp.status < 500:
                         break  # a refused registration does not heal by retrying
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
             log.info("PUT %s/route try %d/%d failed: %s", bootstrap_url, attempt, tries, last)
             if attempt < tries:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import itertools
 import json
 import secrets
-from typing import Any, Union
+from typing import Any
 
 from router.errors import BadRequest
 
-ClientRid = Union[str, list[str]]
+ClientRid = str | list[str]
 """A client's ``rid``: a string, or one string per item of a batch."""
 
 _PREFIX = f"{secrets.randbits(64):016x}"

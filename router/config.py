@@ -27,7 +27,7 @@ def check_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"worker URL {url!r} must look like http://HOST:PORT")
     try:
-        parts.port
+        _ = parts.port  # urlsplit checks the port only when it is read
     except ValueError:
         raise ValueError(f"worker URL {url!r} has an invalid port") from None
     return url.rstrip("/")
@@ -319,7 +319,7 @@ class RouterConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace,
-                      etcd: EtcdSettings | None = None) -> "RouterConfig":
+                      etcd: EtcdSettings | None = None) -> RouterConfig:
         prefill: list[tuple[str, int | None]] = []
         for item in args.prefill:
             if len(item) > 2:

@@ -43,7 +43,7 @@ class HealthChecker:
                 "GET", "/health", {}, b""), self.config.health_timeout)
             resp.release()
             ok = resp.status < 500
-        except (UpstreamError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, UpstreamError) as exc:
             logger.debug("health check of %s failed: %r", worker.url, exc)
         cfg = self.config
         if ok and not worker.info_asked:
@@ -72,7 +72,7 @@ class HealthChecker:
                 "GET", "/server_info", {}, b""), self.config.health_timeout)
             body = resp.take()
             resp.release()
-        except (UpstreamError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, UpstreamError) as exc:
             logger.debug("/server_info of %s: %r", worker.url, exc)
             return
         if resp.status >= 500:

@@ -88,7 +88,7 @@ def _fast(child: Any) -> Any:
 class _Fold:
     """Registered first in the registry: every collection folds the pending counts first."""
 
-    def __init__(self, metrics: "RouterMetrics") -> None:
+    def __init__(self, metrics: RouterMetrics) -> None:
         self.metrics = metrics
 
     def describe(self) -> list[Any]:

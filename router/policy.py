@@ -65,7 +65,7 @@ class Choice:
                  "indexed_blocks", "model")
 
     def __init__(self, worker: Worker,
-                 candidates: "list[dict[str, Any]] | Callable[[], list[dict[str, Any]]] | None"
+                 candidates: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]] | None
                  = None, matched_blocks: int = 0, prompt_blocks: int = 0,
                  hashes: list[int] | None = None, indexed_blocks: int = 0,
                  model: str | None = None) -> None:

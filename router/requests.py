@@ -33,7 +33,7 @@ class Parsed:
     """What the router needs from a request body."""
 
     body: dict[str, Any]
-    prompts: list["list[int] | np.ndarray"]
+    prompts: list[list[int] | np.ndarray]
     """Token ids per prompt (the first one is routed on)."""
     batch: int | None
     """Batch size when the body is a batch (bootstrap fields become lists), else None."""

@@ -23,8 +23,7 @@ from aiohttp import web
 from engine.errors import BadRequest
 from engine.http_common import error_status, read_body, state
 from engine.pd.common import Bootstrap, bootstrap_fields, json_error
-from engine.protocol import (GenInput, include_usage, parse_chat, parse_completion,
-                             parse_generate)
+from engine.protocol import GenInput, include_usage, parse_chat, parse_completion, parse_generate
 
 PER_ITEM = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")
 

@@ -34,8 +34,7 @@ from engine import server as mono
 from engine.errors import BadRequest, CapacityError
 from engine.http_common import STATE_KEY, EngineState, until_disconnected
 from engine.metrics import make_registry
-from engine.pd.batch import (PDItem, answer_batch, item_ids, read_openai_item,
-                             read_pd_items)
+from engine.pd.batch import PDItem, answer_batch, item_ids, read_openai_item, read_pd_items
 from engine.pd.common import Bootstrap, json_error, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, rank_route, stop_engine

@@ -405,7 +405,7 @@ class UpstreamPool:
             _, conn = await asyncio.wait_for(self.loop.create_connection(
                 lambda: _Connection(self), self.host, self.port, ssl=self.ssl),
                 self.connect_timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise UpstreamConnectError(self.origin, f"connect timed out after "
                                        f"{self.connect_timeout:g} s") from None
         except OSError as exc:

@@ -302,7 +302,7 @@ class HttpProtocol(asyncio.Protocol):
         if paused is not None and not paused.done():
             try:
                 await asyncio.wait_for(paused, self.server.keepalive_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.closing = True
                 if self.transport is not None:
                     self.transport.abort()  # a close would wait to flush what it never reads

@@ -8,11 +8,11 @@ import random
 from typing import Any
 
 import pytest
+from engine_helpers import shared_prefix_prompts
 
+from engine.http_common import STATE_KEY
 from engine.serve_config import EngineServerConfig
 from engine.server import create_app
-from engine.http_common import STATE_KEY
-from engine_helpers import shared_prefix_prompts
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -8,14 +8,14 @@ import asyncio
 from typing import Any
 
 import pytest
+from engine_helpers import assert_idle, greedy, wait_until
 
+from engine.config import get_model_config
 from engine.errors import DuplicateRequest
 from engine.http_common import STATE_KEY
 from engine.runner import AsyncEngine, build_scheduler
-from engine.config import get_model_config
 from engine.serve_config import EngineServerConfig
 from engine.server import create_app
-from engine_helpers import assert_idle, greedy, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 LONG_SP = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}

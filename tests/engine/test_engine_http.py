@@ -11,9 +11,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from engine.http_common import STATE_KEY
 from engine.serve_config import EngineServerConfig
 from engine.server import create_app
-from engine.http_common import STATE_KEY
 from index.events.codec import END_SEQ, decode_payload
 from index.events.ingest import InstanceIngestor
 from index.memory import MemoryBlockIndex

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from pd_helpers import Pair, pd_body, start_pair
 
 from bootstrap.config import BootstrapConfig
 from bootstrap.http_limits import make_runner
@@ -19,7 +20,6 @@ from bootstrap.server import create_app as create_bootstrap_app
 from engine.serve_config import EngineServerConfig
 from engine.server import create_app
 from kvatlas.etcd_proc import free_port
-from pd_helpers import Pair, pd_body, start_pair
 
 pytestmark = pytest.mark.timeout(90)
 NOT_UTF8 = {"error": "body: is not UTF-8; send JSON encoded as UTF-8 (RFC 8259)"}

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from engine.config import get_model_config
+from engine.errors import PoolExhausted
 from engine.kv_pool import KVPool
 from engine.model import SeqChunk, Transformer, ordered_sum
-from engine.errors import PoolExhausted
 
 TINY = get_model_config("tiny")
 

@@ -7,13 +7,13 @@ import hashlib
 
 import pytest
 import torch
+from engine_helpers import greedy
 
 from engine.config import get_model_config
 from engine.model import Transformer
 from engine.runner import build_scheduler, run_to_completion
 from engine.scheduler import Request
 from engine.tokenizer import ByteTokenizer
-from engine_helpers import greedy
 
 # computed with torch 2.13.0 (CPU) for get_model_config("tiny", seed=0)
 TINY_WEIGHTS_SHA256 = "ebf3ad84d48583d1e7a32debf43b4bdb214947399b8afe777e268e45a48f1446"

@@ -8,13 +8,13 @@ import asyncio
 import pytest
 import zmq
 import zmq.asyncio
+from engine_helpers import greedy, requests, shared_prefix_prompts
 
 from engine.config import get_model_config
 from engine.kv_pool import KVPool
 from engine.prefix_cache import PrefixCache
 from engine.runner import AsyncEngine, build_scheduler, run_to_completion
 from engine.scheduler import Request
-from engine_helpers import greedy, requests, shared_prefix_prompts
 from index.events.codec import END_SEQ, decode_payload, decode_seq
 from index.events.ingest import InstanceIngestor
 from index.events.publisher import KVEventPublisher, PublisherConfig

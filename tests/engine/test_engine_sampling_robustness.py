@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import greedy
 
 from engine.config import get_model_config
 from engine.model import Transformer
 from engine.runner import build_scheduler, run_to_completion
-from engine.sampling import (MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams, TextStream,
-                             make_generator, sample)
+from engine.sampling import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+    TextStream,
+    make_generator,
+    sample,
+)
 from engine.scheduler import Request
 from engine.tokenizer import ByteTokenizer
-from engine_helpers import greedy
 
 TOK = ByteTokenizer()
 VICTIM = TOK.encode("an innocent request that shares the batch")

@@ -7,12 +7,12 @@ import argparse
 
 import aiohttp
 import pytest
+from pd_helpers import dual, pd_body, start_pair
 
 from bootstrap.client import BootstrapClient
 from bootstrap.errors import BootstrapAuthError
 from engine.pd.config import AUTH_TOKEN_ENV, PDConfig
 from engine.serve_config import EngineServerConfig
-from pd_helpers import dual, pd_body, start_pair
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "pd-test-token-7f3a"

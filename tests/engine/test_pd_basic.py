@@ -9,7 +9,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-
 from engine_helpers import shared_prefix_prompts
 from pd_helpers import Pair, dual, monolithic, new_room, pair, pd_body  # noqa: F401 (fixture)
 
@@ -76,8 +75,8 @@ async def test_requests_without_bootstrap_fields_are_refused(pair: Pair) -> None
 async def test_seeded_sampling_continues_the_prefills_stream(pair: Pair) -> None:
     """The decode's generator skips the draw the prefill made for the first token, so seeded
     sampling gives the monolithic engine's tokens too."""
-    from engine.runner import build_scheduler, run_to_completion
     from engine.config import get_model_config
+    from engine.runner import build_scheduler, run_to_completion
     from engine.sampling import SamplingParams
     from engine.scheduler import Request
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import aiohttp
 import pytest
-
 from engine_helpers import shared_prefix_prompts
-from kvatlas.etcd_proc import free_port
 from pd_helpers import monolithic, new_room, pd_body
 from pd_procs import Proc
+
+from kvatlas.etcd_proc import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-
 from engine_helpers import assert_idle, wait_until
 from pd_helpers import Pair, dual, fast_transfer, pd_body, start_pair
 from pd_procs import assert_at_rest, internal_states, proc_pair

@@ -10,7 +10,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-
 from engine_helpers import assert_idle, wait_until
 from pd_helpers import Pair, dual, fast_transfer, new_room, pd_body, start_pair
 from pd_procs import assert_at_rest, internal_states, proc_pair

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from pd_helpers import pd_body
+from pd_procs import Proc
 
 from index.etcd import EtcdClient
 from index.hashing import BASE_SEED, block_hashes
 from index.keys import KeyLayout
-from pd_helpers import pd_body
-from pd_procs import Proc
 from router.workers import parse_instance_record
 
 pytestmark = pytest.mark.timeout(90)

@@ -9,12 +9,11 @@ import asyncio
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from engine_helpers import shared_prefix_prompts, wait_until
+from pd_helpers import Pair, dual, monolithic, new_room, pair, pd_body, pd_config, start_pair  # noqa: F401
+from pd_procs import Proc
 
 from engine.pd.decode import create_decode_app
-from engine_helpers import shared_prefix_prompts, wait_until
-from pd_helpers import (Pair, dual, monolithic, new_room, pair, pd_body,  # noqa: F401
-                        pd_config, start_pair)
-from pd_procs import Proc
 
 pytestmark = pytest.mark.timeout(120)
 

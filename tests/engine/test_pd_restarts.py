@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from engine.pd.restarts import PrefillRestarts
 from engine_helpers import wait_until
 from etcd_fakes import HeldWatchClient
+
+from engine.pd.restarts import PrefillRestarts
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, dumps
 

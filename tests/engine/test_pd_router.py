@@ -9,9 +9,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-
 from engine_helpers import assert_idle, wait_until
 from pd_helpers import Pair, start_pair
+
 from router.app import RouterApp, create_app
 from router.config import RouterConfig
 

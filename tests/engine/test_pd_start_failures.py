@@ -19,6 +19,7 @@ import grpc
 import pytest
 from aetcd import rpc
 from aiohttp import web
+from pd_helpers import pd_config
 
 import engine.server as mono
 from engine.pd import prefill
@@ -27,7 +28,6 @@ from engine.runner import AsyncEngine
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout
 from kvatlas.etcd_proc import free_port
-from pd_helpers import pd_config
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-
-from engine.ranks.replica import loop_handoff
 from pd_helpers import monolithic, pd_body
 from pd_procs import assert_at_rest, proc_pair
+
+from engine.ranks.replica import loop_handoff
 
 IDS = [256, *b"a prompt whose client hangs up while the prefill ranks send it"]
 # far past the test's deadlines: a room that fails on a follower is the abort's doing

@@ -7,10 +7,10 @@ import argparse
 
 import aiohttp
 import pytest
+from pd_helpers import dual, fast_transfer, pd_body, start_pair
 
 from engine.pd.config import PDConfig
 from engine.serve_config import EngineServerConfig
-from pd_helpers import dual, fast_transfer, pd_body, start_pair
 
 pytestmark = pytest.mark.timeout(60)
 KEY = "pd-transfer-key-0123456789abcdef"

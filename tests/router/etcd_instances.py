@@ -25,7 +25,7 @@ class Instance:
         self.keys.set(layout.instance(instance_id), dumps(self.record))
         self.tasks: list[asyncio.Task[None]] = []
 
-    async def start(self) -> "Instance":
+    async def start(self) -> Instance:
         self.tasks = [asyncio.create_task(self.session.run()),
                       asyncio.create_task(self.keys.run())]
         assert await self.keys.wait_synced(5)

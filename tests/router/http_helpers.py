@@ -76,7 +76,7 @@ async def at_eof(reader: asyncio.StreamReader, timeout: float = 2.0) -> bool:
     """True when the server closed the connection (nothing more comes) within ``timeout``."""
     try:
         rest = await asyncio.wait_for(reader.read(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return False
     except ConnectionResetError:
         return True
@@ -94,7 +94,7 @@ async def read_all(reader: asyncio.StreamReader, timeout: float) -> tuple[bytes,
             if not more:
                 return data, True
             data += more
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return data, False
     except ConnectionResetError:
         return data, True
@@ -168,7 +168,7 @@ class Worker:
         """True when the client closed (or reset) this connection within ``timeout``."""
         try:
             return await asyncio.wait_for(reader.read(), timeout) == b""
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         except ConnectionError:
             return True

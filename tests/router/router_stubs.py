@@ -52,7 +52,7 @@ class StubWorker:
     def rooms(self) -> list[Any]:
         return [b.get("bootstrap_room") for b in self.bodies]
 
-    async def start(self) -> "StubWorker":
+    async def start(self) -> StubWorker:
         app = web.Application()
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self._handle)
@@ -157,7 +157,7 @@ class RouterClient:
         self.session: aiohttp.ClientSession | None = None
         self.url = ""
 
-    async def start(self) -> "RouterClient":
+    async def start(self) -> RouterClient:
         port = await self.app.start("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{port}"
         self.session = aiohttp.ClientSession(base_url=self.url)

@@ -140,7 +140,7 @@ async def test_a_request_trickled_past_the_read_timeout_is_408(stubs: Any,
         try:
             head = await asyncio.wait_for(reader.read(1024), 0.05)
             break
-        except asyncio.TimeoutError:
+        except TimeoutError:
             writer.write(b" ")
     assert head.startswith(b"HTTP/1.1 408 "), head
     assert b"not received within 0.3 s" in head

@@ -10,11 +10,11 @@ import asyncio
 import ssl
 import time
 
-import pytest
-
 import http_helpers
+import pytest
 from http_helpers import Reader, Worker, Writer, answer, keep_alive
 from http_helpers import WorkerStarted as Started
+
 from router.http.client import UpstreamPool
 
 worker = http_helpers.worker  # the fixtures

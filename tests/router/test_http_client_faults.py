@@ -9,14 +9,13 @@ import asyncio
 import socket
 import time
 
-import pytest
-
 import http_helpers
+import pytest
 from http_helpers import Reader, Worker, Writer, answer, hang_or_ok, keep_alive
 from http_helpers import WorkerStarted as Started
+
 from kvatlas.etcd_proc import free_port
-from router.http.client import (UpstreamClosed, UpstreamConnectError, UpstreamError,
-                                UpstreamTimeout)
+from router.http.client import UpstreamClosed, UpstreamConnectError, UpstreamError, UpstreamTimeout
 
 worker = http_helpers.worker  # the fixtures
 pools = http_helpers.pools

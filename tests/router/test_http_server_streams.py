@@ -9,11 +9,11 @@ import json
 import time
 
 import aiohttp
-import pytest
-
 import http_helpers
+import pytest
 from http_helpers import ServerStarted as Started
 from http_helpers import at_eof, connect, echo, let_go, read_all, read_response
+
 from router.http.server import Request, Response, Stream, json_response
 
 serve = http_helpers.serve  # the fixture

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from etcd_instances import wait_for
+
 from index.etcd_index import EtcdBlockIndex
 from index.hashing import block_hashes
 from router.config import RouterConfig

@@ -8,10 +8,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from router_stubs import router_config
 
 from router.app import create_app
 from router.rooms import MAX_ROOM
-from router_stubs import router_config
 
 
 async def test_generate_goes_to_both_with_injected_bootstrap(stubs: Any, make_router: Any) -> None:
@@ -199,7 +199,7 @@ class _SplitDecode:
         self.server: asyncio.AbstractServer | None = None
         self.url = ""
 
-    async def start(self) -> "_SplitDecode":
+    async def start(self) -> _SplitDecode:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
