@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,8 +25,7 @@ from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from engine import openai_api
 from engine import server as mono
 from engine.errors import BadRequest
-from engine.http_common import STATE_KEY, EngineState, sse_end, sse_response, sse_send, until_disconnected
-from engine.metrics import make_registry
+from engine.http_common import sse_end, sse_response, sse_send, until_disconnected
 from engine.pd.batch import PDItem, answer_batch, item_ids, read_openai_item, read_pd_items
 from engine.pd.common import Bootstrap, json_error, start_group_leader, worker_app
 from engine.pd.config import PDConfig
@@ -35,7 +33,7 @@ from engine.pd.fetch import DecodeRank, FetchError
 from engine.pd.registration_decode import DecodeRecord
 from engine.pd.restarts import PrefillRestarts
 from engine.pd.rooms import RoomLog, RoomRecord
-from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, stop_engine
+from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, start_engine
 from engine.ranks.replica import ReplicatedScheduler
 from engine.ranks.uplink import UplinkServer
 from engine.runner import AsyncEngine
@@ -366,13 +364,7 @@ async def start_decode(app: web.Application, stack: contextlib.AsyncExitStack) -
     ds = DecodeState(cfg, ranks, engine, replica, DecodeRank(cfg, info, receiver, client),
                      uplink, RoomLog(cfg.room_log_keep, cfg.room_log_ttl_s))
     app[DECODE_KEY] = ds
-    run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvatlas-decode-"))
-    model_path = mono.prepare_model_path(cfg.engine, cfg.engine.model_config, run_dir)
-    app[STATE_KEY] = EngineState(cfg.engine, cfg.engine.model_config, engine,
-                                 make_registry(engine, cfg.engine.model_name), model_path,
-                                 time.time())
-    await engine.start()
-    stack.push_async_callback(stop_engine, engine, replica)
+    await start_engine(app, stack, cfg, engine, replica, "decode")
 
     async def stop_fetching() -> None:
         """At a stop: the heartbeats end and the receiver fails the rooms still in flight

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -32,12 +31,11 @@ from bootstrap.server import STATE as BOOTSTRAP_STATE
 from bootstrap.server import create_app as create_bootstrap_app
 from engine import server as mono
 from engine.errors import BadRequest, CapacityError
-from engine.http_common import STATE_KEY, EngineState, until_disconnected
-from engine.metrics import make_registry
+from engine.http_common import until_disconnected
 from engine.pd.batch import PDItem, answer_batch, item_ids, read_openai_item, read_pd_items
 from engine.pd.common import Bootstrap, json_error, start_group_leader, worker_app
 from engine.pd.config import PDConfig
-from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, rank_route, stop_engine
+from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, rank_route, start_engine
 from engine.ranks.replica import ReplicatedScheduler
 from engine.ranks.uplink import UplinkServer
 from engine.runner import AsyncEngine
@@ -307,13 +305,7 @@ async def start_prefill(app: web.Application, stack: contextlib.AsyncExitStack) 
     stack.push_async_callback(bclient.close)
     ps = PrefillState(cfg, ranks, engine, replica, sender, uplink, session, writer, bclient)
     app[PREFILL_KEY] = ps
-    run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvatlas-prefill-"))
-    model_path = mono.prepare_model_path(cfg.engine, cfg.engine.model_config, run_dir)
-    app[STATE_KEY] = EngineState(cfg.engine, cfg.engine.model_config, engine,
-                                 make_registry(engine, cfg.engine.model_name), model_path,
-                                 time.time())
-    await engine.start()
-    stack.push_async_callback(stop_engine, engine, replica)
+    await start_engine(app, stack, cfg, engine, replica, "prefill")
     # At a stop the sender closes first, failing the rooms still open, before the engine stops.
     stack.push_async_callback(close_sender)
     log.info("prefill %s rank %s ready: KV sender %s, bootstrap %s:%d", cfg.instance_id,

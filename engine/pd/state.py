@@ -5,6 +5,8 @@ a failed start) and ``stop_engine``."""
 from __future__ import annotations
 
 import contextlib
+import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +14,9 @@ from typing import Any
 from aiohttp import web
 
 from bootstrap.registration import route_body
+from engine import server as mono
+from engine.http_common import STATE_KEY, EngineState
+from engine.metrics import make_registry
 from engine.pd.config import PDConfig
 from engine.ranks.dist import Dist, RankInfo
 from engine.ranks.replica import ReplicatedScheduler
@@ -63,6 +68,19 @@ def once(close: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[None]]:
             done = True
             await close()
     return run
+
+
+async def start_engine(app: web.Application, stack: contextlib.AsyncExitStack, cfg: PDConfig,
+                       engine: AsyncEngine, replica: ReplicatedScheduler, role: str) -> None:
+    """Publish the leader's ``EngineState`` (its model files in a run directory the stack
+    removes) and start its engine, whose stop goes on the stack."""
+    run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kvatlas-{role}-"))
+    model_path = mono.prepare_model_path(cfg.engine, cfg.engine.model_config, run_dir)
+    app[STATE_KEY] = EngineState(cfg.engine, cfg.engine.model_config, engine,
+                                 make_registry(engine, cfg.engine.model_name), model_path,
+                                 time.time())
+    await engine.start()
+    stack.push_async_callback(stop_engine, engine, replica)
 
 
 async def stop_engine(engine: AsyncEngine, replica: ReplicatedScheduler) -> None:
