@@ -141,7 +141,11 @@ async def test_failed_start_leaves_nothing(step: str, monkeypatch: pytest.Monkey
     try:
         if step == "none":
             await runner.setup()
-            assert await etcd.get(layout.instance("pre-start")) is not None
+            # the mirror writes the record in its own task, after setup returns
+            deadline = asyncio.get_running_loop().time() + 10.0
+            while await etcd.get(layout.instance("pre-start")) is None:
+                assert asyncio.get_running_loop().time() < deadline, "the record never appeared"
+                await asyncio.sleep(0.05)
         else:
             with pytest.raises(Injected):
                 await runner.setup()
