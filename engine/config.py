@@ -23,18 +23,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from engine.tokenizer import VOCAB_SIZE
-
 if TYPE_CHECKING:
     import torch
 
 # torch is imported lazily so that the CLI can parse engine flags without loading it
+BYTE_VOCAB_SIZE = 259
+"""The byte tokenizer's vocabulary (256 bytes plus BOS, EOS, PAD): the seeded configs' default.
+A literal, not imported: the config must not depend on a tokenizer (real vocabularies differ)."""
 _DTYPES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of the seeded decoder-only transformer."""
+    """Architecture of the decoder-only transformer (seeded, or read from a checkpoint)."""
 
     name: str
     """Short model name (also the default served model name)."""
@@ -50,8 +51,8 @@ class ModelConfig:
     """Residual stream width (may differ from ``num_heads * head_dim``)."""
     intermediate_size: int
     """MLP width (SwiGLU)."""
-    vocab_size: int = VOCAB_SIZE
-    """Token ids are ``0 .. vocab_size - 1`` (bytes plus BOS/EOS/PAD)."""
+    vocab_size: int = BYTE_VOCAB_SIZE
+    """Token ids are ``0 .. vocab_size - 1`` (seeded configs: bytes plus BOS/EOS/PAD)."""
     max_positions: int = 2048
     """Longest sequence (prompt plus output) the model accepts."""
     dtype: str = "float64"
@@ -62,6 +63,12 @@ class ModelConfig:
     """RoPE base."""
     rms_eps: float = 1e-6
     """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """LM head is the embedding matrix (real checkpoints only; seeded ones draw their own)."""
+    qkv_bias: bool = False
+    """Q, K and V projections have biases (Qwen2)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of Q and K before RoPE (Qwen3)."""
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
@@ -75,8 +82,6 @@ class ModelConfig:
             raise ValueError(f"model {self.name}: head_dim must be even for RoPE")
         if self.dtype not in _DTYPES:
             raise ValueError(f"model {self.name}: dtype must be one of {sorted(_DTYPES)}")
-        if self.vocab_size < VOCAB_SIZE:
-            raise ValueError(f"model {self.name}: vocab_size must be >= {VOCAB_SIZE} (byte tokenizer)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

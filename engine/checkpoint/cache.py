@@ -1,0 +1,121 @@
+"""The on-disk cache of dequantized checkpoints: one safetensors file per source file.
+
+Where: ``$KVATLAS_CACHE_DIR`` (default ``~/.cache/kvatlas``; an empty value disables the cache).
+Key: the source's resolved path, size and mtime (a re-downloaded or edited file gets a new entry;
+hashing 100 MB on every start would cost what the cache saves) plus a format version. The file is
+written to a temporary name and renamed, so a reader never sees half a file; a lock file makes
+concurrent starts (TP ranks, PD halves) build it once while the others wait. A cache that cannot
+be written is not an error: the caller keeps the arrays it computed.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+log = logging.getLogger(__name__)
+
+ENV = "KVATLAS_CACHE_DIR"
+VERSION = "1"
+"""Bumped when what is cached changes (names, layout, unpermuting)."""
+
+
+def cache_dir() -> Path | None:
+    """The cache directory, None when disabled (``KVATLAS_CACHE_DIR=""``)."""
+    env = os.environ.get(ENV)
+    if env == "":
+        return None
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvatlas"
+
+
+def cache_file(source: Path) -> Path | None:
+    """The cache file for ``source`` (None when the cache is disabled)."""
+    root = cache_dir()
+    if root is None:
+        return None
+    st = source.stat()
+    key = hashlib.sha256(f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{VERSION}"
+                         .encode()).hexdigest()[:16]
+    return root / f"{source.stem}-{key}.safetensors"
+
+
+def read_metadata(path: Path | None) -> dict[str, str] | None:
+    """The ``__metadata__`` of a complete cache file, None when absent or unreadable (read from
+    the safetensors header directly: no torch, no tensor data touched)."""
+    if path is None:
+        return None
+    try:
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error):
+        return None
+    meta = header.get("__metadata__")
+    return meta if isinstance(meta, dict) and "kvatlas_config" in meta else None
+
+
+@contextlib.contextmanager
+def build_lock(path: Path | None) -> Iterator[None]:
+    """Hold an exclusive lock on ``path``'s lock file (no-op without a cache or when the
+    directory cannot be created)."""
+    if path is None:
+        yield
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError as e:
+        log.warning("checkpoint cache %s not usable (%s); loading without it", path.parent, e)
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def write(path: Path | None, arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> bool:
+    """Write ``arrays`` to ``path`` atomically; False (logged) when it cannot be written."""
+    if path is None:
+        return False
+    from safetensors.numpy import save_file
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(arrays, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not write checkpoint cache %s: %s", path, e)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        return False
+    log.info("checkpoint cache written: %s", path)
+    return True
+
+
+def load(path: Path) -> dict[str, torch.Tensor]:
+    """The cached tensors (memory-mapped by safetensors)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def describe(path: Path | None) -> dict[str, Any]:
+    """What a cache entry holds, for logs and doctor output."""
+    meta = read_metadata(path)
+    return {"path": str(path) if path else None, "present": meta is not None,
+            "source": meta.get("source") if meta else None}
