@@ -47,10 +47,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.checkpoint.formats import CheckpointError
 from engine.checkpoint.spec import (
     SMOLLM2_ALIASES,
     SMOLLM2_NAME,
-    CheckpointError,
     ModelSpec,
     check_tp,
     resolve_model,
@@ -73,6 +73,6 @@ def load_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
         from engine.checkpoint.gguf import load_gguf_weights
 
         return load_gguf_weights(spec.checkpoint, spec.config)
-    from engine.checkpoint.safetensors import load_safetensors_weights
+    from engine.checkpoint.hf import load_safetensors_weights
 
     return load_safetensors_weights(spec.checkpoint)

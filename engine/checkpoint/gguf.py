@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.checkpoint import cache
-from engine.checkpoint.spec import GGUF_ARCHITECTURES, CheckpointError
+from engine.checkpoint.formats import GGUF_ARCHITECTURES, CheckpointError
 from engine.config import ModelConfig
 
 if TYPE_CHECKING:

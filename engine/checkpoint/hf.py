@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.checkpoint.spec import HF_ARCHITECTURES, CheckpointError
+from engine.checkpoint.formats import HF_ARCHITECTURES, CheckpointError
 from engine.config import ModelConfig
 
 if TYPE_CHECKING:

