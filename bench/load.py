@@ -192,7 +192,8 @@ def main() -> int:
         state = ClusterState.load(args.run_dir)
     else:
         tmp = tempfile.TemporaryDirectory(prefix="kvatlas-load-")
-        topo = Topology(prefill=args.prefill, decode=args.decode, engine_mode=args.engine_mode)
+        topo = Topology(prefill=args.prefill, decode=args.decode, engine_mode=args.engine_mode,
+                        model="tiny")
         cluster = LocalCluster(topo, Path(tmp.name))
         print("starting a cluster ...", flush=True)
         state = cluster.start(timeout=180)

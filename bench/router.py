@@ -13,9 +13,17 @@ requests/s, p50/p99 latency, and the latency each router adds over the direct pa
 Part 2: the routing decision (tokenize + hash + index lookup + cost over 64 prefill instances +
 power-of-two decode) timed in-process against a mirror holding 1M blocks. Goal: p99 < 1 ms.
 
-    .venv/bin/python bench/router.py [--duration 4] [--rounds 3] [--concurrency 1 16 64]
+``--tokenizer SOURCE`` is the tokenizer kvatlas's routers hash prompts with (default ``byte``,
+the reference engine's). The real-tokenizer mode, ``--tokenizer smollm2-135m --chat``, sends
+OpenAI chat bodies instead: a shared system prompt and a user message new to every request (20k
+distinct bodies, more than the tokenizer's prefix cache holds), so each request renders the chat
+template and BPE-encodes its new turn; sglang-router, which does not tokenize in PD mode, gets
+the very same bodies.
 
-Writes bench/results/router.json.
+    .venv/bin/python bench/router.py [--duration 4] [--rounds 3] [--concurrency 1 16 64]
+    .venv/bin/python bench/router.py --tokenizer smollm2-135m --chat
+
+Writes bench/results/router.json (router_chat_<tokenizer>.json with --chat).
 """
 from __future__ import annotations
 
@@ -42,6 +50,22 @@ sys.path.insert(0, str(ROOT))
 from kvatlas.etcd_proc import free_port  # noqa: E402
 
 PROMPT = ("You are a helpful assistant. Answer the question using the context. " * 12)
+CHAT_BODIES = 20_000
+"""Distinct chat bodies of the --chat mode, cycled through."""
+
+
+def chat_bodies(n: int = CHAT_BODIES) -> list[bytes]:
+    """``n`` chat bodies sharing a system prompt, each with its own user message."""
+    rng = random.Random(5)
+    words = ["cache", "prefix", "etcd", "decode", "router", "token", "latency", "block", "Grüße",
+             "東京", "why", "how", "does", "the", "a", "of", "when", "index", "GPU", "page"]
+    out = []
+    for i in range(n):
+        question = " ".join(rng.choice(words) for _ in range(rng.randint(8, 40)))
+        out.append(json.dumps({"messages": [{"role": "system", "content": PROMPT},
+                                            {"role": "user", "content": f"#{i}: {question}?"}],
+                               "max_tokens": 1}).encode())
+    return out
 
 
 # --- stub workers (run in their own process) ---------------------------------------------------
@@ -81,10 +105,18 @@ def serve_stubs(ports: list[int]) -> None:
 
 # --- load -------------------------------------------------------------------------------------
 
-async def closed_loop(url: str, concurrency: int, duration: float) -> dict[str, Any]:
+async def closed_loop(url: str, concurrency: int, duration: float,
+                      bodies: list[bytes] | None = None) -> dict[str, Any]:
     lat: list[float] = []
     errors = 0
-    body = json.dumps({"text": PROMPT, "sampling_params": {"max_new_tokens": 1}}).encode()
+    bodies = bodies or [json.dumps({"text": PROMPT,
+                                    "sampling_params": {"max_new_tokens": 1}}).encode()]
+    sent = 0
+
+    def next_body() -> bytes:
+        nonlocal sent
+        sent += 1
+        return bodies[sent % len(bodies)]
     headers = {"content-type": "application/json"}
     stop_at = time.perf_counter() + duration
     conn = aiohttp.TCPConnector(limit=0)
@@ -94,7 +126,7 @@ async def closed_loop(url: str, concurrency: int, duration: float) -> dict[str, 
             while time.perf_counter() < stop_at:
                 t0 = time.perf_counter()
                 try:
-                    async with session.post(url, data=body, headers=headers) as resp:
+                    async with session.post(url, data=next_body(), headers=headers) as resp:
                         await resp.read()
                         if resp.status != 200:
                             errors += 1
@@ -106,7 +138,7 @@ async def closed_loop(url: str, concurrency: int, duration: float) -> dict[str, 
 
         # Warm-up: connections and any lazy init.
         for _ in range(20):
-            async with session.post(url, data=body, headers=headers) as resp:
+            async with session.post(url, data=next_body(), headers=headers) as resp:
                 await resp.read()
         t0 = time.perf_counter()
         await asyncio.gather(*(one_worker() for _ in range(concurrency)))
@@ -148,9 +180,10 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def measure(name: str, url: str, proc: subprocess.Popen[bytes] | None, conc: int,
-                  duration: float) -> dict[str, Any]:
+                  duration: float, bodies: list[bytes] | None = None) -> dict[str, Any]:
     cpu0 = proc_cpu(proc.pid) if proc else None
-    r = await closed_loop(f"{url}/generate", conc, duration)
+    path = "/v1/chat/completions" if bodies else "/generate"
+    r = await closed_loop(f"{url}{path}", conc, duration, bodies)
     if proc is not None and cpu0 is not None:
         # CPU the router itself spent per request: independent of how busy the shared
         # machine is, unlike req/s.
@@ -184,21 +217,25 @@ async def part1(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     ours_port, sg_port = free_port(), free_port()
     pf_args = [a for u in prefills for a in ("--prefill", u, "none")]
     dc_args = [a for u in decodes for a in ("--decode", u)]
+    tok_args = ["--tokenizer", args.tokenizer]
+    bodies = chat_bodies() if args.chat else None
     procs["kvatlas"] = start([sys.executable, "-m", "kvatlas", "router", "serve", "--port",
-                              str(ours_port), *pf_args, *dc_args], logdir / "kvatlas_router.log")
+                              str(ours_port), *pf_args, *dc_args, *tok_args],
+                             logdir / "kvatlas_router.log")
     targets["kvatlas"] = f"http://127.0.0.1:{ours_port}"
     # The same work sglang-router does in PD mode, where its cache_aware prefill policy falls
     # back to a random pick: separates the HTTP path from the cost of kv_aware's prefix work.
     rnd_port = free_port()
     procs["kvatlas-random"] = start(
         [sys.executable, "-m", "kvatlas", "router", "serve", "--port", str(rnd_port),
-         "--prefill-policy", "random", *pf_args, *dc_args], logdir / "kvatlas_router_random.log")
+         "--prefill-policy", "random", *pf_args, *dc_args, *tok_args],
+        logdir / "kvatlas_router_random.log")
     targets["kvatlas-random"] = f"http://127.0.0.1:{rnd_port}"
     if args.asyncio_too:
         aio_port = free_port()
         procs["kvatlas-asyncio"] = start(
             [sys.executable, "-m", "kvatlas", "router", "serve", "--port", str(aio_port),
-             "--no-uvloop", *pf_args, *dc_args], logdir / "kvatlas_router_asyncio.log")
+             "--no-uvloop", *pf_args, *dc_args, *tok_args], logdir / "kvatlas_router_asyncio.log")
         targets["kvatlas-asyncio"] = f"http://127.0.0.1:{aio_port}"
     sg_missing = sglang_router_available()
     if sg_missing is None:
@@ -209,7 +246,8 @@ async def part1(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
              "--log-level", "warn", "--prometheus-port", str(free_port())],
             logdir / "sglang_router.log")
         targets["sglang-router"] = f"http://127.0.0.1:{sg_port}"
-    results: dict[str, Any] = {"sglang_router": sg_missing or "ok", "runs": {}}
+    results: dict[str, Any] = {"sglang_router": sg_missing or "ok", "runs": {},
+                               "tokenizer": args.tokenizer, "chat": args.chat}
     try:
         for name, url in list(targets.items()):
             if not await wait_ready(url):
@@ -222,7 +260,7 @@ async def part1(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
             for _ in range(args.rounds):
                 for name, url in targets.items():
                     rounds[name].append(await measure(name, url, procs.get(name), conc,
-                                                      args.duration))
+                                                      args.duration, bodies))
             for name, per in rounds.items():
                 per.sort(key=lambda r: r["rps"])
                 r = dict(per[len(per) // 2])
@@ -242,14 +280,16 @@ async def part1(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
 
 # --- part 2: decision time ----------------------------------------------------------------------
 
-def part2(instances: int, blocks: int, samples: int) -> dict[str, Any]:
+def part2(instances: int, blocks: int, samples: int, tokenizer: str = "byte") -> dict[str, Any]:
     from index.hashing import block_hashes
     from index.keys import KeyLayout
     from index.mirror import BlockMirror
     from router.config import RouterConfig
     from router.policy import RouteContext
     from router.state import RouterState
-    from router.tokenize import encode_text
+    from tokenization import load_tokenizer
+
+    encode_text = load_tokenizer(tokenizer).encode_array
 
     cfg = RouterConfig(prefill=[(f"http://127.0.0.1:{20000 + i}", None)
                                 for i in range(instances)],
@@ -307,21 +347,28 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=1_000_000)
     ap.add_argument("--samples", type=int, default=20_000)
     ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--tokenizer", default="byte",
+                    help="tokenizer kvatlas's routers hash prompts with (default byte; the "
+                         "real-tokenizer mode: smollm2-135m, a tokenizer directory or a .gguf)")
+    ap.add_argument("--chat", action="store_true",
+                    help="send chat bodies with a shared system prompt and a new user turn each")
     ap.add_argument("--asyncio-too", action="store_true",
                     help="also measure kvatlas on the plain asyncio loop (--no-uvloop)")
     args = ap.parse_args()
     logdir = Path(tempfile.mkdtemp(prefix="kvatlas-bench-router-"))
-    results: dict[str, Any] = {"cpus": os.cpu_count()}
+    results: dict[str, Any] = {"cpus": os.cpu_count(), "tokenizer": args.tokenizer,
+                               "bodies": "chat" if args.chat else "generate-text"}
     if not args.skip_http:
         print("part 1: HTTP overhead and throughput (closed loop)")
         results["http"] = asyncio.run(part1(args, logdir))
     print(f"part 2: decision time, {args.instances} prefill instances, {args.blocks} blocks")
-    results["decision"] = d = part2(args.instances, args.blocks, args.samples)
+    results["decision"] = d = part2(args.instances, args.blocks, args.samples, args.tokenizer)
     print(f"  indexed {d['indexed_blocks']} blocks; prompt {d['prompt_tokens']} tokens; "
           f"p50 {d['p50_us']:.0f} us, p99 {d['p99_us']:.0f} us (goal < 1000 us)")
     if "http" in results:
         print_table(results["http"])
-    out = ROOT / "bench" / "results" / "router.json"
+    name = f"router_chat_{Path(args.tokenizer).name}.json" if args.chat else "router.json"
+    out = ROOT / "bench" / "results" / name
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out} (router logs in {logdir})")
     return 0
@@ -332,7 +379,9 @@ def print_table(http: dict[str, Any]) -> None:
     from rich.table import Table
     runs = http["runs"]
     direct = runs.get("direct", {})
-    table = Table(title="router overhead vs direct-to-stub (PD, /generate)")
+    what = "/v1/chat/completions" if http.get("chat") else "/generate"
+    table = Table(title=f"router overhead vs direct-to-stub (PD, {what}, tokenizer "
+                        f"{http.get('tokenizer', 'byte')})")
     for col in ("target", "conc", "req/s", "p50 ms", "p99 ms", "+p50 ms", "+p99 ms",
                 "router CPU us/req", "vs sglang-router req/s"):
         table.add_column(col, justify="right")

@@ -20,6 +20,7 @@ from engine.protocol import GenInput, load_json
 from engine.runner import AsyncEngine
 from engine.scheduler import RequestOutput
 from engine.serve_config import EngineServerConfig
+from tokenization.base import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +30,16 @@ DISCONNECT_POLL_S = 0.1
 
 @dataclass
 class EngineState:
+    """What every handler of one worker reads (the app's ``STATE_KEY``)."""
+
     config: EngineServerConfig
     model: ModelConfig
+    tokenizer: Tokenizer
+    """The engine's tokenizer: every prompt is encoded and every output decoded by it."""
     engine: AsyncEngine
     registry: CollectorRegistry
     model_path: str
+    """What ``model_path`` reports: the checkpoint, or the seeded model's written directory."""
     started: float
 
 

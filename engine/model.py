@@ -1,7 +1,9 @@
-"""A seeded decoder-only transformer (RoPE, RMSNorm, GQA, SwiGLU) that reads and writes a paged
-KV pool.
+"""A decoder-only transformer (RoPE, RMSNorm, GQA, SwiGLU; optional q/k/v biases as in Qwen2 and
+per-head q/k RMSNorm as in Qwen3) that reads and writes a paged KV pool.
 
-Weights come from a ``torch.Generator`` on the CPU with a fixed seed, drawn as uniform float64
+Weights are seeded, or a real checkpoint's (``Transformer.from_spec`` with a spec from
+``engine.checkpoint.resolve_model``: Llama/Qwen2/Qwen3 safetensors directories, GGUF files).
+Seeded weights come from a ``torch.Generator`` on the CPU with a fixed seed, drawn as uniform float64
 (``torch.rand``: plain mt19937 output, no vectorised transcendental paths) and then cast, so the
 same seed gives bit-identical weights on any machine and any device they are moved to later.
 
@@ -21,18 +23,23 @@ so a shard's K/V are bit-identical to the full model's for its heads. The output
 one partial sum per group and ``combine`` adds them (default: ``ordered_sum``, ascending group
 order); a TP rank passes a ``combine`` that gathers every rank's group partials and adds them in
 the same order, which reproduces a one-rank run bit for bit. Embedding, norms, MLP and LM head
-are replicated.
+are replicated (so are q/k norms; q/k/v biases are split with their heads).
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from engine.checkpoint.formats import CheckpointError
 from engine.config import ModelConfig
 from engine.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from engine.checkpoint.spec import ModelSpec
 
 Combine = Callable[[list[torch.Tensor]], torch.Tensor]
 
@@ -73,40 +80,93 @@ class Layer:
         self.w_up = _uniform(gen, (h, i), 1.0 / math.sqrt(h))
         self.w_down = _uniform(gen, (i, h), 1.0 / math.sqrt(i))
 
-    def to(self, dtype: torch.dtype, device: torch.device | str) -> None:
+    @classmethod
+    def from_weights(cls, cfg: ModelConfig, w: Mapping[str, torch.Tensor], i: int) -> Layer:
+        """Layer ``i`` from HF-named tensors (``[out, in]`` projections kept as transposed views,
+        so models built from one weights dict, e.g. TP shards in one process, share storage)."""
+        h, q, kv, d = cfg.hidden_size, cfg.num_heads * cfg.head_dim, \
+            cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        p = f"model.layers.{i}."
+        layer = cls.__new__(cls)
+        layer.attn_norm = _take(w, p + "input_layernorm.weight", (h,))
+        layer.wq = _take(w, p + "self_attn.q_proj.weight", (q, h)).t()
+        layer.wk = _take(w, p + "self_attn.k_proj.weight", (kv, h)).t()
+        layer.wv = _take(w, p + "self_attn.v_proj.weight", (kv, h)).t()
+        layer.wo = _take(w, p + "self_attn.o_proj.weight", (h, q)).t()
+        if cfg.qkv_bias:
+            layer.bq = _take(w, p + "self_attn.q_proj.bias", (q,))
+            layer.bk = _take(w, p + "self_attn.k_proj.bias", (kv,))
+            layer.bv = _take(w, p + "self_attn.v_proj.bias", (kv,))
+        if cfg.qk_norm:
+            layer.q_norm = _take(w, p + "self_attn.q_norm.weight", (d,))
+            layer.k_norm = _take(w, p + "self_attn.k_norm.weight", (d,))
+        layer.mlp_norm = _take(w, p + "post_attention_layernorm.weight", (h,))
+        layer.w_gate = _take(w, p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)).t()
+        layer.w_up = _take(w, p + "mlp.up_proj.weight", (cfg.intermediate_size, h)).t()
+        layer.w_down = _take(w, p + "mlp.down_proj.weight", (h, cfg.intermediate_size)).t()
+        return layer
+
+    def to(self, dtype: torch.dtype, device: torch.device | str, contiguous: bool = True) -> None:
         for name, t in vars(self).items():
-            setattr(self, name, t.to(device=device, dtype=dtype).contiguous())
+            t = t.to(device=device, dtype=dtype)
+            setattr(self, name, t.contiguous() if contiguous else t)
+
+
+def _take(w: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Tensor ``name`` of a checkpoint, checked against the shape the config implies."""
+    try:
+        t = w[name]
+    except KeyError:
+        raise CheckpointError(name, "tensor missing from the checkpoint") from None
+    if tuple(t.shape) != shape:
+        raise CheckpointError(name, f"shape {tuple(t.shape)} does not match the config's {shape}")
+    return t
 
 
 class Transformer:
     """The model. ``kv_heads`` selects the KV heads (and their query heads) this copy computes."""
 
     def __init__(self, cfg: ModelConfig, device: str | torch.device = "cpu",
-                 kv_heads: range | None = None) -> None:
+                 kv_heads: range | None = None,
+                 weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Seeded weights from ``cfg.seed``, or ``weights``: a checkpoint's tensors under
+        Hugging Face Llama names (``engine.checkpoint.load_weights``)."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = cfg.torch_dtype
         self.kv_heads = kv_heads if kv_heads is not None else range(cfg.num_kv_heads)
         if not self.kv_heads or self.kv_heads.start < 0 or self.kv_heads.stop > cfg.num_kv_heads:
             raise ValueError(f"kv_heads {self.kv_heads} outside 0..{cfg.num_kv_heads}")
-        gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
         h = cfg.hidden_size
-        self.embed = _uniform(gen, (cfg.vocab_size, h), 1.0)
-        self.layers = [Layer(cfg, gen) for _ in range(cfg.num_layers)]
-        self.final_norm = 1.0 + _uniform(gen, (h,), 0.1)
-        self.lm_head = _uniform(gen, (h, cfg.vocab_size), 4.0 / math.sqrt(h))
+        if weights is None:
+            gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+            self.embed = _uniform(gen, (cfg.vocab_size, h), 1.0)
+            self.layers = [Layer(cfg, gen) for _ in range(cfg.num_layers)]
+            self.final_norm = 1.0 + _uniform(gen, (h,), 0.1)
+            self.lm_head = _uniform(gen, (h, cfg.vocab_size), 4.0 / math.sqrt(h))
+        else:
+            self.embed = _take(weights, "model.embed_tokens.weight", (cfg.vocab_size, h))
+            self.layers = [Layer.from_weights(cfg, weights, i) for i in range(cfg.num_layers)]
+            self.final_norm = _take(weights, "model.norm.weight", (h,))
+            self.lm_head = None if cfg.tie_embeddings else \
+                _take(weights, "lm_head.weight", (cfg.vocab_size, h)).t()
         for t in ("embed", "final_norm", "lm_head"):
-            setattr(self, t, getattr(self, t).to(device=self.device, dtype=self.dtype))
+            if getattr(self, t) is not None:
+                setattr(self, t, getattr(self, t).to(device=self.device, dtype=self.dtype))
+        if self.lm_head is None:  # tied: the embedding matrix, transposed (a view, no copy)
+            self.lm_head = self.embed.t()
         for layer in self.layers:
-            layer.to(self.dtype, self.device)
-            self._shard(layer)
+            # seeded: contiguous copies (the pinned tests hash them); a checkpoint's tensors stay
+            # views of the loaded storage
+            layer.to(self.dtype, self.device, contiguous=weights is None)
+            self._shard(layer, contiguous=weights is None)
         inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64)
                                        / cfg.head_dim)
         ang = torch.outer(torch.arange(cfg.max_positions, dtype=torch.float64), inv)
         self.cos = torch.cos(ang).to(device=self.device, dtype=self.dtype)
         self.sin = torch.sin(ang).to(device=self.device, dtype=self.dtype)
 
-    def _shard(self, layer: Layer) -> None:
+    def _shard(self, layer: Layer, contiguous: bool = True) -> None:
         """Split the attention weights per KV head group and keep this copy's groups.
 
         Every projection is one matmul per group, in a full model as in a shard, so a shard
@@ -114,11 +174,31 @@ class Transformer:
         """
         d, g = self.cfg.head_dim, self.cfg.group_size
         heads = self.kv_heads
-        layer.wq_groups = [layer.wq[:, k * g * d:(k + 1) * g * d].contiguous() for k in heads]
-        layer.wk_groups = [layer.wk[:, k * d:(k + 1) * d].contiguous() for k in heads]
-        layer.wv_groups = [layer.wv[:, k * d:(k + 1) * d].contiguous() for k in heads]
-        layer.wo_groups = [layer.wo[k * g * d:(k + 1) * g * d].contiguous() for k in heads]
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t.contiguous() if contiguous else t
+
+        layer.wq_groups = [cut(layer.wq[:, k * g * d:(k + 1) * g * d]) for k in heads]
+        layer.wk_groups = [cut(layer.wk[:, k * d:(k + 1) * d]) for k in heads]
+        layer.wv_groups = [cut(layer.wv[:, k * d:(k + 1) * d]) for k in heads]
+        layer.wo_groups = [cut(layer.wo[k * g * d:(k + 1) * g * d]) for k in heads]
         del layer.wq, layer.wk, layer.wv, layer.wo
+        if self.cfg.qkv_bias:
+            layer.bq_groups = [layer.bq[k * g * d:(k + 1) * g * d] for k in heads]
+            layer.bk_groups = [layer.bk[k * d:(k + 1) * d] for k in heads]
+            layer.bv_groups = [layer.bv[k * d:(k + 1) * d] for k in heads]
+            del layer.bq, layer.bk, layer.bv
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec, device: str | torch.device = "cpu",
+                  kv_heads: range | None = None) -> Transformer:
+        """The model ``spec`` names: seeded, or with its checkpoint's weights (sharded to
+        ``kv_heads``)."""
+        if spec.checkpoint is None:
+            return cls(spec.config, device=device, kv_heads=kv_heads)
+        from engine.checkpoint import load_weights
+
+        return cls(spec.config, device=device, kv_heads=kv_heads, weights=load_weights(spec))
 
     # -- pieces ----------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -166,10 +246,21 @@ class Transformer:
         x = self.embed[toks]
         for li, layer in enumerate(self.layers):
             h = self._norm(x, layer.attn_norm)
-            q = self._rope(torch.cat([h @ w for w in layer.wq_groups], 1).view(-1, nkv * g, d),
-                           pos)
-            k = self._rope(torch.stack([h @ w for w in layer.wk_groups], 1), pos)
-            v = torch.stack([h @ w for w in layer.wv_groups], 1)
+            if cfg.qkv_bias:
+                q = torch.cat([h @ w + b for w, b in zip(layer.wq_groups, layer.bq_groups,
+                                                         strict=True)], 1)
+                k = torch.stack([h @ w + b for w, b in zip(layer.wk_groups, layer.bk_groups,
+                                                           strict=True)], 1)
+                v = torch.stack([h @ w + b for w, b in zip(layer.wv_groups, layer.bv_groups,
+                                                           strict=True)], 1)
+            else:
+                q = torch.cat([h @ w for w in layer.wq_groups], 1)
+                k = torch.stack([h @ w for w in layer.wk_groups], 1)
+                v = torch.stack([h @ w for w in layer.wv_groups], 1)
+            q = q.view(-1, nkv * g, d)
+            if cfg.qk_norm:  # Qwen3: RMSNorm over each head's width, before RoPE
+                q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+            q, k = self._rope(q, pos), self._rope(k, pos)
             pool.write(li, slots, k, v)
             outs: list[list[torch.Tensor]] = [[] for _ in range(nkv)]
             for ci, c in enumerate(chunks):

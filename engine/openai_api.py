@@ -20,7 +20,7 @@ from engine.http_common import (
     state,
     until_disconnected,
 )
-from engine.protocol import include_usage, parse_chat, parse_completion
+from engine.protocol import check_model, include_usage, parse_chat, parse_completion
 from engine.scheduler import RequestOutput
 
 
@@ -50,7 +50,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     st = state(request)
     body = await read_body(request)
-    gi, stream = (parse_chat if chat else parse_completion)(body, st.model)
+    gi, stream = (parse_chat if chat else parse_completion)(body, st.model, st.tokenizer)
+    check_model(body, st.config.model_names)
     check_fits(st, gi)
     rid = gi.rid = openai_rid(chat)
     return await respond(request, st.engine.generate(gi.prompt, gi.params, rid), rid=rid,

@@ -1,11 +1,20 @@
 """Parsing and validation of SGLang ``/generate`` and OpenAI request bodies.
 
+Prompts become token ids by the engine's tokenizer (``tokenization``), by the rules SGLang and
+vLLM apply: text (``/generate`` ``text``, an OpenAI completion ``prompt`` string) is
+``tok.encode(text, add_special_tokens=True)``; chat ``messages`` are
+``tok.encode_chat(messages, **chat_template_kwargs)``; ids (``input_ids``, a ``prompt`` list of
+ints) are used as given. Every parser takes the tokenizer (``tok``); without one it is the byte
+tokenizer (for callers outside the engine: tests, tools).
+
 Everything a client can get wrong raises ``BadRequest(field, reason)`` (HTTP 400): wrong JSON
 types, empty prompts, prompts longer than the model's positions, ``max_new_tokens`` out of range,
-negative temperatures, text that is not valid UTF-8 (lone surrogates) and ids outside the vocab.
+negative temperatures, text that is not valid UTF-8 (lone surrogates), ids outside the vocab,
+chat messages the template refuses (its own message) and content parts that are not text.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -14,9 +23,8 @@ from bootstrap.http_limits import NOT_UTF8, utf8_text
 from engine.config import ModelConfig
 from engine.errors import BadRequest
 from engine.sampling import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
-from engine.tokenizer import ByteTokenizer
+from tokenization.base import ChatTemplateError, Tokenizer
 
-TOKENIZER = ByteTokenizer()
 DEFAULT_MAX_NEW_TOKENS = 128
 OPENAI_COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -108,27 +116,63 @@ def _check_text(text: str, field: str) -> None:
         raise BadRequest(field, "is not valid UTF-8 (contains a lone surrogate)") from None
 
 
-def _too_long(n: int, field: str, max_positions: int) -> BadRequest:
+def _too_long(n: int, field: str, max_positions: int, at_least: bool = False) -> BadRequest:
     # max_positions - 1: ModelConfig.max_prompt_tokens, which /server_info reports
-    return BadRequest(field, f"prompt has {n} tokens; the model takes at most "
+    has = f"at least {n}" if at_least else str(n)
+    return BadRequest(field, f"prompt has {has} tokens; the model takes at most "
                              f"{max_positions - 1} (max positions {max_positions})")
 
 
-def encode_text(text: object, field: str, add_bos: bool = True,
+@functools.cache
+def default_tokenizer() -> Tokenizer:
+    """The byte tokenizer, for parsers called without the engine's tokenizer."""
+    from tokenization import ByteTokenizer
+
+    return ByteTokenizer()
+
+
+def max_token_bytes(tok: Tokenizer) -> int | None:
+    """The most UTF-8 bytes of text one token of ``tok`` can stand for, when known: then a text
+    of ``b`` bytes has at least ``ceil(b / max_token_bytes)`` tokens, whatever else encoding adds.
+    The byte tokenizer: 1. Others: their ``max_token_bytes`` attribute, if they have one."""
+    if tok.kind == "byte":
+        return 1
+    bound = getattr(tok, "max_token_bytes", None)
+    return bound if isinstance(bound, int) and bound > 0 else None
+
+
+def encode_text(text: object, field: str, tok: Tokenizer | None = None, *,
                 max_positions: int | None = None) -> list[int]:
-    """Token ids of ``text``; with ``max_positions`` an over-long text is refused from its
-    length before any token list is built (a huge body costs no per-byte Python work)."""
+    """Token ids of ``text`` (``tok.encode(text, add_special_tokens=True)``). With
+    ``max_positions`` an over-long text is refused: first, where the tokenizer bounds the bytes
+    per token (``max_token_bytes``), from its length alone before anything is encoded (a huge
+    body costs no tokenizer work); then exactly, from its ids."""
+    tok = tok or default_tokenizer()
     if not isinstance(text, str):
         raise BadRequest(field, f"must be a string, got {type(text).__name__}")
     if not text:
         raise BadRequest(field, "must not be empty")
     _check_text(text, field)
-    if max_positions is not None:
-        # chars <= UTF-8 bytes, so the cheap check first refuses huge texts without encoding
+    per = max_token_bytes(tok) if max_positions is not None else None
+    if max_positions is not None and per is not None:
+        # chars <= UTF-8 bytes: the character count refuses a huge text without encoding it
         for n in (len(text), len(text.encode("utf-8"))):
-            if n + add_bos >= max_positions:
-                raise _too_long(n + add_bos, field, max_positions)
-    return TOKENIZER.encode(text, add_bos=add_bos)
+            least = -(-n // per)
+            if least >= max_positions:
+                raise _too_long(least, field, max_positions, at_least=True)
+    try:
+        ids = tok.encode(text, add_special_tokens=True)
+    except ValueError as exc:
+        raise BadRequest(field, f"cannot be tokenized: {exc}") from None
+    if max_positions is not None and len(ids) >= max_positions:
+        raise _too_long(len(ids), field, max_positions)
+    return ids
+
+
+def id_bound(model: ModelConfig, tok: Tokenizer) -> int:
+    """Ids a request may give are ``0 .. id_bound - 1``: in the tokenizer's vocabulary and
+    the model's embedding (a checkpoint may pad its embedding past the tokenizer)."""
+    return min(model.vocab_size, tok.vocab_size)
 
 
 def check_ids(ids: object, field: str, vocab: int, max_positions: int | None = None) -> list[int]:
@@ -152,7 +196,7 @@ def check_prompt_len(prompt: list[int], field: str, model: ModelConfig) -> None:
 
 
 def build_params(d: dict[str, Any], prompt_len: int, model: ModelConfig, *, max_key: str,
-                 default_max: int, prefix: str = "") -> SamplingParams:
+                 default_max: int, prefix: str = "", vocab: int | None = None) -> SamplingParams:
     """SamplingParams from SGLang or OpenAI fields in ``d`` (validated)."""
     room = model.max_positions - prompt_len
     max_new = _int(d, max_key, None, lo=1, hi=model.max_positions, prefix=prefix)
@@ -171,7 +215,7 @@ def build_params(d: dict[str, Any], prompt_len: int, model: ModelConfig, *, max_
     top_k = _int(d, "top_k", -1, lo=-1, prefix=prefix)
     stop_ids = d.get("stop_token_ids")
     if stop_ids is not None:
-        stop_ids = check_ids(stop_ids, prefix + "stop_token_ids", model.vocab_size)
+        stop_ids = check_ids(stop_ids, prefix + "stop_token_ids", vocab or model.vocab_size)
     return SamplingParams(
         max_new_tokens=max_new, temperature=temperature, top_p=top_p, top_k=top_k or -1,
         stop=_stop(d, "stop", prefix), stop_token_ids=stop_ids or [],
@@ -180,20 +224,23 @@ def build_params(d: dict[str, Any], prompt_len: int, model: ModelConfig, *, max_
 
 
 # -- SGLang /generate -------------------------------------------------------------------------
-def parse_generate(body: dict[str, Any], model: ModelConfig) -> tuple[list[GenInput], bool, bool]:
+def parse_generate(body: dict[str, Any], model: ModelConfig, tok: Tokenizer | None = None
+                   ) -> tuple[list[GenInput], bool, bool]:
     """(inputs, is_batch, stream) of a ``/generate`` body."""
+    tok = tok or default_tokenizer()
+    vocab = id_bound(model, tok)
     stream = _bool(body, "stream", False)
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise BadRequest("text", "give exactly one of text or input_ids")
     if text is not None:
         batch = isinstance(text, list)
-        prompts = [encode_text(t, f"text[{i}]" if batch else "text",
+        prompts = [encode_text(t, f"text[{i}]" if batch else "text", tok,
                                max_positions=model.max_positions)
                    for i, t in enumerate(text if batch else [text])]
     else:
         batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-        prompts = [check_ids(p, f"input_ids[{i}]" if batch else "input_ids", model.vocab_size,
+        prompts = [check_ids(p, f"input_ids[{i}]" if batch else "input_ids", vocab,
                              model.max_positions)
                    for i, p in enumerate(ids if batch else [ids])]
     if batch and not prompts:
@@ -219,7 +266,8 @@ def parse_generate(body: dict[str, Any], model: ModelConfig) -> tuple[list[GenIn
         field = "text" if text is not None else "input_ids"
         check_prompt_len(prompt, field, model)
         params = build_params(sp, len(prompt), model, max_key="max_new_tokens",
-                              default_max=DEFAULT_MAX_NEW_TOKENS, prefix="sampling_params.")
+                              default_max=DEFAULT_MAX_NEW_TOKENS, prefix="sampling_params.",
+                              vocab=vocab)
         inputs.append(GenInput(prompt, params, rid[i] if isinstance(rid, list) else rid))
     return inputs, batch, stream
 
@@ -262,40 +310,76 @@ def _max_key(body: dict[str, Any]) -> str:
     return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
 
 
-def parse_completion(body: dict[str, Any], model: ModelConfig) -> tuple[GenInput, bool]:
+def parse_completion(body: dict[str, Any], model: ModelConfig, tok: Tokenizer | None = None
+                     ) -> tuple[GenInput, bool]:
+    """(input, stream) of an OpenAI ``/v1/completions`` body."""
+    tok = tok or default_tokenizer()
+    vocab = id_bound(model, tok)
     _common_openai(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) >= model.max_positions:
         raise _too_long(len(prompt), "prompt", model.max_positions)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                    for t in prompt):
-        ids = check_ids(prompt, "prompt", model.vocab_size, model.max_positions)
+        ids = check_ids(prompt, "prompt", vocab, model.max_positions)
     elif isinstance(prompt, list):
         if len(prompt) != 1:
             raise BadRequest("prompt", "exactly one prompt per request is supported")
-        ids = encode_text(prompt[0], "prompt[0]", max_positions=model.max_positions)
+        ids = encode_text(prompt[0], "prompt[0]", tok, max_positions=model.max_positions)
     else:
-        ids = encode_text(prompt, "prompt", max_positions=model.max_positions)
+        ids = encode_text(prompt, "prompt", tok, max_positions=model.max_positions)
     check_prompt_len(ids, "prompt", model)
     params = build_params(body, len(ids), model, max_key=_max_key(body),
-                          default_max=OPENAI_COMPLETION_DEFAULT_MAX_TOKENS)
+                          default_max=OPENAI_COMPLETION_DEFAULT_MAX_TOKENS, vocab=vocab)
     return GenInput(ids, params), _bool(body, "stream", False)
 
 
-def parse_chat(body: dict[str, Any], model: ModelConfig) -> tuple[GenInput, bool]:
-    _common_openai(body)
+def encode_messages(body: dict[str, Any], tok: Tokenizer) -> list[int]:
+    """The ids of a chat body's ``messages`` (its ``chat_template_kwargs`` passed to the
+    template, as SGLang and vLLM do); BadRequest naming the message or part the template or the
+    tokenizer refused."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise BadRequest("messages", "must be a list of {role, content} objects")
+    if not messages:
+        raise BadRequest("messages", "must be a non-empty list of {role, content} objects")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise BadRequest("chat_template_kwargs", "must be an object")
+    reserved = {"messages", "add_generation_prompt", "tools"} & set(kwargs)
+    if reserved:
+        raise BadRequest("chat_template_kwargs", f"must not set {sorted(reserved)}: the engine "
+                                                 "sets them")
     try:
-        text = TOKENIZER.apply_chat_template(messages)
-    except ValueError as exc:
-        raise BadRequest("messages", str(exc)) from None
-    ids = encode_text(text, "messages", max_positions=model.max_positions)
+        return tok.encode_chat(messages, **kwargs)
+    except ChatTemplateError as exc:
+        raise BadRequest(exc.path, exc.reason) from None
+    except (ValueError, TypeError) as exc:  # e.g. a lone surrogate the tokenizer cannot encode
+        raise BadRequest("messages", f"cannot be tokenized: {exc}") from None
+
+
+def parse_chat(body: dict[str, Any], model: ModelConfig, tok: Tokenizer | None = None
+               ) -> tuple[GenInput, bool]:
+    """(input, stream) of an OpenAI ``/v1/chat/completions`` body."""
+    tok = tok or default_tokenizer()
+    _common_openai(body)
+    ids = encode_messages(body, tok)
     check_prompt_len(ids, "messages", model)
     params = build_params(body, len(ids), model, max_key=_max_key(body),
-                          default_max=DEFAULT_MAX_NEW_TOKENS)
+                          default_max=DEFAULT_MAX_NEW_TOKENS, vocab=id_bound(model, tok))
     return GenInput(ids, params), _bool(body, "stream", False)
+
+
+def check_model(body: dict[str, Any], names: frozenset[str]) -> None:
+    """Refuse an OpenAI body whose ``model`` this engine does not serve (``names``: its served
+    name, its alias and config name); a request without one is served. The body was checked to
+    be an object by the parser."""
+    model = body.get("model")
+    if isinstance(model, str) and names and model not in names:
+        raise BadRequest("model", f"{model!r} is not served here; this engine serves "
+                                  f"{sorted(names)}")
 
 
 def include_usage(body: dict[str, Any]) -> bool:

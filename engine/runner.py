@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from engine.checkpoint import ModelSpec
 from engine.config import ModelConfig
 from engine.errors import DuplicateRequest
 from engine.kv_pool import KVPool
@@ -24,22 +25,41 @@ from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams
 from engine.scheduler import Request, RequestOutput, Scheduler
 from index.events.types import KVEvent
+from tokenization.base import Tokenizer
 
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[list[KVEvent]], None]
 
 
+def load_model(spec: ModelSpec, device: str = "cpu", kv_heads: range | None = None
+               ) -> tuple[Transformer, Tokenizer]:
+    """The model of ``spec`` (its KV heads ``kv_heads``: a TP rank's shard; default all) with its
+    weights, and its tokenizer (the byte tokenizer for a seeded config)."""
+    from tokenization import load_tokenizer
+
+    tok = load_tokenizer(spec.tokenizer_source)
+    model = Transformer.from_spec(spec, device=device, kv_heads=kv_heads)
+    if model.cfg.vocab_size < tok.vocab_size:
+        log.warning("model %s has %d embedding rows for a tokenizer of %d ids; ids past its "
+                    "embedding are refused", spec.served_name, model.cfg.vocab_size,
+                    tok.vocab_size)
+    return model, tok
+
+
 def build_scheduler(model_cfg: ModelConfig, num_pages: int, page_size: int = 16,
                     max_batch_tokens: int = 512, enable_prefix_cache: bool = True,
                     max_running: int = 256, model: Transformer | None = None,
-                    device: str = "cpu") -> Scheduler:
-    """A scheduler with a fresh pool and cache (pass ``model`` to share weights)."""
+                    device: str = "cpu", tokenizer: Tokenizer | None = None) -> Scheduler:
+    """A scheduler with a fresh pool and cache (pass ``model`` to share weights; default: the
+    seeded weights of ``model_cfg``) whose requests ``tokenizer`` detokenizes (default: the
+    byte tokenizer)."""
     model = model or Transformer(model_cfg, device=device)
     pool = KVPool(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                   model_cfg.torch_dtype, num_pages, page_size, device=model.device)
     cache = PrefixCache(pool, enabled=enable_prefix_cache)
-    return Scheduler(model, cache, max_batch_tokens=max_batch_tokens, max_running=max_running)
+    return Scheduler(model, cache, max_batch_tokens=max_batch_tokens, max_running=max_running,
+                     tokenizer=tokenizer)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.tokenizer import BOS_ID, EOS_ID, PAD_ID, IncrementalDetokenizer
+from tokenization.base import Tokenizer
 
 MAX_SEED = 2**63 - 1
 SAMPLING_EPS = 1e-5
@@ -39,7 +39,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     """Strings that end generation; the returned text stops before the match."""
     stop_token_ids: list[int] = field(default_factory=list)
-    """Token ids that end generation (EOS always does unless ``ignore_eos``)."""
+    """Token ids that end generation (the tokenizer's ``eos_ids`` always do unless
+    ``ignore_eos``)."""
     ignore_eos: bool = False
     """Keep generating after EOS."""
     seed: int | None = None
@@ -67,13 +68,22 @@ def make_generator(seed: int | None) -> torch.Generator:
         seed if seed is not None else secrets.randbits(63))
 
 
-_NEVER = torch.tensor([BOS_ID, PAD_ID])
+def banned_ids(tok: Tokenizer, model_vocab: int) -> torch.Tensor:
+    """Ids the sampler must never produce for a model of ``model_vocab`` logits: the tokenizer's
+    ``never_ids`` (e.g. BOS, PAD) and every id past its vocabulary (a checkpoint's embedding
+    rows padded beyond the tokenizer's, which decode to nothing)."""
+    ids = {i for i in tok.never_ids if 0 <= i < model_vocab}
+    ids.update(range(tok.vocab_size, model_vocab))
+    return torch.tensor(sorted(ids), dtype=torch.long)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """One token id from float64 ``logits`` [vocab]; BOS and PAD are never produced."""
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
+           banned: torch.Tensor | None = None) -> int:
+    """One token id from ``logits`` [vocab]; the ids in ``banned`` (``banned_ids``) are never
+    produced."""
     x = logits.to(torch.float64).clone()
-    x[_NEVER] = float("-inf")
+    if banned is not None and banned.numel():
+        x[banned] = float("-inf")
     if params.greedy:
         return int(torch.argmax(x))
     x = x / params.temperature
@@ -132,15 +142,15 @@ class TextStream:
     (the earliest end in the text) ends generation.
     """
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, tok: Tokenizer) -> None:
         self.params = params
-        self.detok = IncrementalDetokenizer()
+        self.detok = tok.detokenizer()
         self.emitted = 0
         self.text = ""  # final visible text once finished
         self.matched: int | str | None = None
         self._stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
-            self._stop_ids.add(EOS_ID)
+            self._stop_ids |= tok.eos_ids
         self._matchers = [_StopMatcher(s) for s in params.stop]
 
     def push(self, token: int) -> tuple[str, bool]:

@@ -25,7 +25,8 @@ import torch
 from engine.errors import CapacityError
 from engine.model import SeqChunk, Transformer
 from engine.prefix_cache import PrefixCache
-from engine.sampling import SamplingParams, TextStream, make_generator, sample
+from engine.sampling import SamplingParams, TextStream, banned_ids, make_generator, sample
+from tokenization.base import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Request:
     params: SamplingParams
     gen: torch.Generator = field(init=False)
     stream: TextStream = field(init=False)
+    """Set by the scheduler that takes the request (its tokenizer detokenizes and stops)."""
     table: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
@@ -55,7 +57,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self.gen = make_generator(self.params.seed)
-        self.stream = TextStream(self.params)
 
     @property
     def tokens(self) -> list[int]:
@@ -89,12 +90,22 @@ class StepStats:
 
 
 class Scheduler:
-    """Owns the model, the pool (via the prefix cache) and every request's state."""
+    """Owns the model, the pool (via the prefix cache) and every request's state.
+
+    ``tokenizer`` (default: the byte tokenizer) decides what ends a request (its EOS ids, stop
+    strings in its text) and which ids are never sampled; every TP rank of a group must use the
+    same one, so that they all finish a request at the same step."""
 
     def __init__(self, model: Transformer, cache: PrefixCache, max_batch_tokens: int = 512,
-                 max_running: int = 256) -> None:
+                 max_running: int = 256, tokenizer: Tokenizer | None = None) -> None:
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
+        if tokenizer is None:
+            from tokenization import ByteTokenizer
+
+            tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer
+        self.banned = banned_ids(tokenizer, model.cfg.vocab_size)
         self.model = model
         self.cache = cache
         self.pool = cache.pool
@@ -120,6 +131,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.check_fits(len(req.prompt), req.params.max_new_tokens)
+        req.stream = TextStream(req.params, self.tokenizer)
         self.waiting.append(req)
 
     def abort(self, rid: str) -> RequestOutput | None:
@@ -181,12 +193,13 @@ class Scheduler:
         req.table = list(table)
         req.computed = len(req.prompt)
         req.cacheable = False
+        req.stream = TextStream(req.params, self.tokenizer)
         if not req.params.greedy:
             # the prefill drew the first token from this seed's stream; advance ours past that
             # draw (its consumption does not depend on the logits) so that seeded sampling
             # continues exactly as in one process
             sample(torch.zeros(self.model.cfg.vocab_size, dtype=torch.float64), req.params,
-                   req.gen)
+                   req.gen, self.banned)
         self.running.append(req)
         self.totals["requests"] += 1
         return self._emit(req, first_token)
@@ -255,7 +268,7 @@ class Scheduler:
                 # per request: one request's sampler failure must not touch the others, and a
                 # request whose token was not produced must not look one position further on
                 try:
-                    token = sample(row, req.params, req.gen)
+                    token = sample(row, req.params, req.gen, self.banned)
                 except Exception as exc:
                     log.exception("sampling failed for request %s", req.rid)
                     outputs.append(self._fail(req, f"sampling failed: {exc}"))

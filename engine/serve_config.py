@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass
 
 from bootstrap.http_limits import READ_TIMEOUT_S, check_read_timeout
-from engine.config import MODELS, ModelConfig, get_model_config
+from engine.checkpoint import ModelSpec, check_tp, resolve_model, supported_models
+from engine.config import ModelConfig
 from index.events.endpoints import parse_tcp
 
 DEFAULT_KV_BYTES = 1 << 30
@@ -21,15 +23,22 @@ class EngineServerConfig:
     mode: str = "monolithic"
     """Serving mode: ``monolithic`` (prefill and decode in one process), ``prefill`` or
     ``decode`` (disaggregated; see ``engine.pd.config.PDConfig``)."""
-    model: str = "tiny"
-    """Model config name (``tiny`` or ``bench``)."""
+    model: str | None = None
+    """What to serve: a seeded config (``tiny``, the default without ``model_path``;
+    ``tiny-kv4``, ``bench``), ``smollm2-135m`` (or its served name
+    ``HuggingFaceTB/SmolLM2-135M-Instruct``: the bundled GGUF), or a checkpoint path."""
     model_seed: int = 0
-    """Weight seed; every worker of one deployment must use the same one."""
+    """Weight seed of a seeded config; every worker of one deployment must use the same one."""
     served_model_name: str | None = None
-    """Model name in OpenAI responses and /v1/models; defaults to the model config name."""
+    """Model name in OpenAI responses and /v1/models; defaults to the checkpoint's (a seeded
+    config's name)."""
     model_path: str | None = None
-    """Existing local directory reported as model_path (a config.json is written there when
-    missing); None creates one under a temporary run directory for the server's lifetime."""
+    """A checkpoint to serve when ``model`` is not a seeded config: a Llama/Qwen2/Qwen3
+    directory (config.json + *.safetensors) or a GGUF. With a seeded config: an existing local
+    directory reported as model_path (its config.json is written there when missing); None
+    creates one under a temporary run directory for the server's lifetime."""
+    dtype: str | None = None
+    """Compute (and KV) dtype override; None: the seeded config's, float32 for a checkpoint."""
     device: str = "cpu"
     """Torch device of weights and KV pool (``cpu``, ``cuda``, ``cuda:N``)."""
     torch_threads: int | None = 1
@@ -67,8 +76,9 @@ class EngineServerConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} is not available; choose one of {list(MODES)}")
-        if self.model not in MODELS:
-            raise ValueError(f"unknown model {self.model!r}; choose one of {sorted(MODELS)}")
+        if self.model is None and self.model_path is None:
+            self.model = "tiny"
+        _ = self.spec  # resolves the name or path now: a bad one fails at start, naming it
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.torch_threads == 0:
@@ -91,8 +101,17 @@ class EngineServerConfig:
         check_read_timeout(self.read_timeout_s)
 
     @property
+    def spec(self) -> ModelSpec:
+        """The resolved model (geometry, checkpoint, served name, tokenizer source)."""
+        return _resolve(self.model, self.model_path, self.model_seed, self.dtype)
+
+    @property
     def model_config(self) -> ModelConfig:
-        return get_model_config(self.model, seed=self.model_seed)
+        return self.spec.config
+
+    def check_tp(self, tp: int) -> None:
+        """ValueError unless ``tp`` ranks can split the model's KV heads."""
+        check_tp(self.model_config, tp)
 
     @property
     def kv_pages(self) -> int:
@@ -102,18 +121,35 @@ class EngineServerConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        """The name clients see and the etcd record carries."""
+        return self.served_model_name or self.spec.served_name
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        """Names an OpenAI request may give in ``model``: the served name, the checkpoint's and
+        the name or alias it was started with."""
+        names = {self.model_name, self.spec.served_name, self.spec.config.name}
+        if self.model is not None:
+            names.add(self.model)
+        return frozenset(names)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         d = cls
         parser.add_argument("--mode", default=d.mode, choices=["monolithic", "prefill", "decode"],
                             help="serving mode (prefill/decode: PD data plane)")
-        parser.add_argument("--model", default=d.model, choices=sorted(MODELS), help="model config")
-        parser.add_argument("--model-seed", type=int, default=d.model_seed, help="weight seed")
-        parser.add_argument("--served-model-name", default=None, help="name clients use")
+        parser.add_argument("--model", default=None,
+                            help=f"what to serve (default tiny): {supported_models()}")
+        parser.add_argument("--model-seed", type=int, default=d.model_seed,
+                            help="weight seed of a seeded config")
+        parser.add_argument("--served-model-name", default=None,
+                            help="name clients use (default: the checkpoint's)")
         parser.add_argument("--model-path", default=None,
-                            help="local directory reported as model_path (default: a temp dir)")
+                            help="checkpoint to serve (a Llama/Qwen2/Qwen3 directory with "
+                                 "config.json and *.safetensors, or a .gguf); with a seeded "
+                                 "--model, the directory reported as model_path")
+        parser.add_argument("--dtype", default=None,
+                            help="compute and KV dtype (default: float32 for a checkpoint)")
         parser.add_argument("--device", default=d.device, help="torch device: cpu, cuda, cuda:N")
         parser.add_argument("--torch-threads", type=int, default=d.torch_threads,
                             help="torch intra-op threads (default 1; 0 = torch's default)")
@@ -144,6 +180,7 @@ class EngineServerConfig:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineServerConfig:
         return cls(mode=args.mode, model=args.model, model_seed=args.model_seed,
                    served_model_name=args.served_model_name, model_path=args.model_path,
+                   dtype=args.dtype,
                    device=args.device, torch_threads=args.torch_threads, host=args.host,
                    port=args.port, page_size=args.page_size, num_pages=args.num_pages,
                    max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
@@ -151,3 +188,11 @@ class EngineServerConfig:
                    kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,
                    max_request_bytes=args.max_request_bytes,
                    read_timeout_s=args.read_timeout)
+
+
+@functools.lru_cache(maxsize=16)
+def _resolve(model: str | None, model_path: str | None, seed: int, dtype: str | None
+             ) -> ModelSpec:
+    # cached: configs are copied (dataclasses.replace) and asked for their model often, and a
+    # checkpoint's metadata is read from disk
+    return resolve_model(model, model_path, seed=seed, dtype=dtype)

@@ -43,14 +43,16 @@ from engine.http_common import (
 )
 from engine.metrics import make_registry
 from engine.protocol import GenInput, parse_generate
-from engine.runner import AsyncEngine, build_scheduler
+from engine.runner import AsyncEngine, build_scheduler, load_model
 from engine.sampling import SamplingParams
-from engine.scheduler import RequestOutput
+from engine.scheduler import RequestOutput, Scheduler
 from engine.serve_config import EngineServerConfig
-from engine.tokenizer import BOS_ID
+from tokenization.base import Tokenizer
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
+HEALTH_PROMPT = "health"
+"""The text ``/health_generate`` prefills (by the engine's tokenizer) to generate one token."""
 
 
 def meta_info(rid: str, out: RequestOutput, started: float) -> dict[str, Any]:
@@ -62,7 +64,7 @@ def meta_info(rid: str, out: RequestOutput, started: float) -> dict[str, Any]:
 # -- SGLang native ----------------------------------------------------------------------------
 async def generate(request: web.Request) -> web.StreamResponse:
     st = state(request)
-    inputs, batch, stream = parse_generate(await read_body(request), st.model)
+    inputs, batch, stream = parse_generate(await read_body(request), st.model, st.tokenizer)
     rids = []
     for gi in inputs:
         check_fits(st, gi)
@@ -109,9 +111,10 @@ async def health_generate(request: web.Request) -> web.Response:
     """Healthy when the engine generates one token within 20 s."""
     st = state(request)
     params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    prompt = st.tokenizer.encode(HEALTH_PROMPT, add_special_tokens=True)
     try:
         async with asyncio.timeout(20):
-            await collect(st, GenInput([BOS_ID, *b"health"], params))
+            await collect(st, GenInput(prompt, params))
     except (TimeoutError, RuntimeError) as exc:
         return json_error(503, f"engine did not generate: {exc or 'timeout'}")
     return web.Response(text="")
@@ -125,10 +128,19 @@ def max_prompt_tokens(st: EngineState) -> int:
     return min(st.model.max_prompt_tokens, pool.num_pages * pool.page_size)
 
 
+def tokenizer_info(tok: Tokenizer) -> dict[str, Any]:
+    """``tokenizer_record(tok)``: where the tokenizer came from and its fingerprint (what the
+    etcd instance record carries, so that a router can tell a mismatch)."""
+    from tokenization import tokenizer_record
+
+    return dict(tokenizer_record(tok))
+
+
 def server_info(st: EngineState) -> dict[str, Any]:
     cfg, m, sched = st.config, st.model, st.engine.scheduler
+    tok = tokenizer_info(st.tokenizer)
     return {
-        "model_path": st.model_path, "tokenizer_path": st.model_path,
+        "model_path": st.model_path, "tokenizer_path": tok["source"], "tokenizer": tok,
         "served_model_name": cfg.model_name, "host": cfg.host, "port": cfg.port,
         "tp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": cfg.page_size,
         "context_length": m.max_positions,
@@ -158,13 +170,27 @@ async def get_server_info(request: web.Request) -> web.Response:
     return web.json_response(server_info(state(request)))
 
 
+def architectures(checkpoint: str | None) -> list[str] | None:
+    """The ``architectures`` of a Hugging Face checkpoint's config.json (None for a GGUF)."""
+    config = Path(checkpoint or "") / "config.json"
+    try:
+        arch = json.loads(config.read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return arch if isinstance(arch, list) else None
+
+
 async def get_model_info(request: web.Request) -> web.Response:
     st = state(request)
+    spec = st.config.spec
+    tok = tokenizer_info(st.tokenizer)
     return web.json_response({
-        "model_path": st.model_path, "tokenizer_path": st.model_path, "is_generation": True,
-        "model_type": "kvatlas", "architectures": ["KvatlasByteLM"],
+        "model_path": st.model_path, "tokenizer_path": tok["source"], "tokenizer": tok,
+        "is_generation": True, "model_type": "kvatlas" if spec.seeded else spec.format,
+        "architectures": ["KvatlasByteLM"] if spec.seeded else architectures(spec.checkpoint),
         "served_model_name": st.config.model_name, "preferred_sampling_params": None,
-        "weight_version": f"seed-{st.model.seed}", "has_image_understanding": False,
+        "weight_version": f"seed-{st.model.seed}" if spec.seeded else "checkpoint",
+        "has_image_understanding": False,
         "has_audio_understanding": False, "max_context_length": st.model.max_positions,
         "max_prompt_tokens": max_prompt_tokens(st),
         "max_body_bytes": st.config.max_request_bytes,
@@ -198,6 +224,11 @@ async def abort_request(request: web.Request) -> web.Response:
 
 # -- lifecycle --------------------------------------------------------------------------------
 def prepare_model_path(cfg: EngineServerConfig, model: ModelConfig, run_dir: str) -> str:
+    """What ``model_path`` reports: a checkpoint's own path; for a seeded model, a directory
+    (``--model-path``, or one in ``run_dir``) its ``config.json`` is written to."""
+    if not cfg.spec.seeded:
+        assert cfg.spec.checkpoint is not None
+        return cfg.spec.checkpoint
     path = Path(cfg.model_path) if cfg.model_path else Path(run_dir) / cfg.model_name
     path.mkdir(parents=True, exist_ok=True)
     config_file = path / "config.json"
@@ -212,14 +243,19 @@ def prepare_model_path(cfg: EngineServerConfig, model: ModelConfig, run_dir: str
 async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG_KEY]
     model = cfg.model_config
+    cfg.check_tp(1)
     if cfg.torch_threads is not None:
         import torch
 
         torch.set_num_threads(cfg.torch_threads)
     loop = asyncio.get_running_loop()
-    sched = await loop.run_in_executor(None, lambda: build_scheduler(
-        model, cfg.kv_pages, cfg.page_size, cfg.max_batch_tokens, cfg.enable_prefix_cache,
-        cfg.max_running, device=cfg.device))
+
+    def build() -> Scheduler:
+        weights, tok = load_model(cfg.spec, device=cfg.device)
+        return build_scheduler(model, cfg.kv_pages, cfg.page_size, cfg.max_batch_tokens,
+                               cfg.enable_prefix_cache, cfg.max_running, model=weights,
+                               tokenizer=tok)
+    sched = await loop.run_in_executor(None, build)
     publisher = None
     sink = None
     if cfg.kv_events:
@@ -232,11 +268,13 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
     engine = AsyncEngine(sched, event_sink=sink)
     with tempfile.TemporaryDirectory(prefix="kvatlas-engine-") as run_dir:
         model_path = prepare_model_path(cfg, model, run_dir)
-        app[STATE_KEY] = EngineState(cfg, model, engine, make_registry(engine, cfg.model_name),
-                                     model_path, time.time())
+        app[STATE_KEY] = EngineState(cfg, model, sched.tokenizer, engine,
+                                     make_registry(engine, cfg.model_name), model_path,
+                                     time.time())
         await engine.start()
-        log.info("engine %s (%s) ready: %d KV pages of %d tokens, model_path %s", cfg.model_name,
-                 cfg.mode, cfg.kv_pages, cfg.page_size, model_path)
+        log.info("engine %s (%s) ready: %d KV pages of %d tokens, model_path %s, tokenizer %s",
+                 cfg.model_name, cfg.mode, cfg.kv_pages, cfg.page_size, model_path,
+                 tokenizer_info(sched.tokenizer))
         try:
             yield
         finally:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from index.errors import IndexLayerError
 from kvatlas import commands
+from tokenization.base import TokenizationError
 
 
 class CLIError(Exception):
@@ -87,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (CLIError, IndexLayerError, ValueError, OSError) as exc:
+    except (CLIError, IndexLayerError, TokenizationError, ValueError, OSError) as exc:
         print(f"kvatlas: error: {exc}", file=sys.stderr)
         return 2
 

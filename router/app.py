@@ -113,8 +113,10 @@ class RouterApp:
         """Start the background work and listen; returns the bound port.
 
         Every step goes on one exit stack, which ``close()`` unwinds: when a step fails, the
-        ones before it are undone in reverse order (listeners, health checks, etcd, upstreams)."""
+        ones before it are undone in reverse order (listeners, health checks, etcd, upstreams,
+        tokenizer loads)."""
         try:
+            await self._stack.enter_async_context(self._tokenizers_ctx())
             await self._stack.enter_async_context(self._upstreams_ctx())
             await self._stack.enter_async_context(self._etcd_ctx())
             await self._stack.enter_async_context(self._health_ctx())
@@ -136,6 +138,17 @@ class RouterApp:
     async def close(self) -> None:
         """Stop listening, let requests in flight finish (``shutdown_grace``), then stop."""
         await self._stack.aclose()
+
+    @contextlib.asynccontextmanager
+    async def _tokenizers_ctx(self) -> AsyncIterator[None]:
+        # First: the flags' tokenizers load (a bad one stops the start) before discovery can
+        # report records that name theirs.
+        tokenizers = self.state.tokenizers
+        try:
+            await tokenizers.start(self.state.pools.all())
+            yield
+        finally:
+            await tokenizers.close()
 
     @contextlib.asynccontextmanager
     async def _upstreams_ctx(self) -> AsyncIterator[None]:

@@ -4,10 +4,13 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from index.etcd import EtcdSettings
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_model
+from tokenization import TokenizerError, canonical_model
+from tokenization.assets import KNOWN_NAMES, is_known
 
 ADMIN_TOKEN_ENV = "KVATLAS_ADMIN_TOKEN"
 """Where ``--admin-token`` is read from when not given."""
@@ -31,6 +34,41 @@ def check_url(url: str) -> str:
     except ValueError:
         raise ValueError(f"worker URL {url!r} has an invalid port") from None
     return url.rstrip("/")
+
+
+BYTE_TOKENIZER = "byte"
+"""The tokenizer source naming the reference engine's byte tokenizer (BOS + UTF-8 bytes)."""
+
+
+def parse_tokenizer_flags(items: list[str]) -> dict[str | None, str]:
+    """``--tokenizer`` values: ``PATH`` (the tokenizer of every model without its own) or
+    ``MODEL=PATH``. An item that is itself an existing path is a path even with a ``=`` in it."""
+    out: dict[str | None, str] = {}
+    for item in items:
+        model, sep, source = item.partition("=")
+        if not sep or not model or Path(item).exists():
+            model, source = None, item  # type: ignore[assignment]
+        if not source:
+            raise ValueError(f"--tokenizer {item!r}: give PATH or MODEL=PATH")
+        key = canonical_model(model) if model else None
+        if key in out:
+            raise ValueError(f"--tokenizer given twice for "
+                             f"{'model ' + repr(key) if key else 'the default model'}")
+        out[key] = source
+    return out
+
+
+def check_tokenizer_source(source: str) -> str:
+    """``source`` when it can name a tokenizer here ("byte", a known alias, an existing path);
+    TokenizerError naming it otherwise, at start-up rather than at the first request."""
+    if source == BYTE_TOKENIZER or is_known(source):
+        return source
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise TokenizerError(source, "no such file or directory (give a directory with "
+                                     "tokenizer.json, a .gguf file, 'byte' or an alias: "
+                                     f"{', '.join(KNOWN_NAMES)})")
+    return str(path)
 
 
 def parse_bootstrap_port(text: str | int | None) -> int | None:
@@ -60,7 +98,14 @@ class RouterConfig:
     """Key prefix of the kvatlas keys in etcd."""
     model: str | None = None
     """Served model name: only instances of this model join the pools, and its block index is
-    followed. None: every model (the request's ``model`` picks the hash namespace)."""
+    followed. None: every model (the request's ``model`` picks the hash namespace). An alias
+    (``smollm2-135m``) is taken as its canonical name, as requests' and records' models are."""
+    tokenizers: dict[str | None, str] = field(default_factory=dict)
+    """Per model (``None``: every model without its own), where its tokenizer is loaded from:
+    a directory with ``tokenizer.json``, a ``.gguf`` file, an alias, or ``"byte"``. A model
+    with none here takes the tokenizer its instance records name, when this host can load it;
+    a model with neither is routed on load alone (its text prompts cannot be hashed into the
+    engines' block ids), with a warning and ``kvatlas_router_untokenizable_models``."""
     policy: str = "kv_aware"
     """Default policy for both sides (decode falls back to power_of_two for kv_aware)."""
     prefill_policy: str | None = None
@@ -167,7 +212,10 @@ class RouterConfig:
                              f"{self.prometheus_port}")
         KeyLayout(prefix=self.etcd_prefix)
         if self.model is not None:
+            self.model = canonical_model(self.model)
             validate_model(self.model)
+        self.tokenizers = {None if m is None else canonical_model(m): check_tokenizer_source(s)
+                           for m, s in self.tokenizers.items()}
         for name in ("policy", "prefill_policy", "decode_policy"):
             value = POLICY_ALIASES.get(getattr(self, name), getattr(self, name))
             setattr(self, name, value)
@@ -231,6 +279,12 @@ class RouterConfig:
         parser.add_argument("--host", default=d.host, help=f"listen address (default {d.host})")
         parser.add_argument("--port", type=int, default=d.port, help=f"port (default {d.port})")
         parser.add_argument("--model", default=None, help="served model name (default: any)")
+        parser.add_argument("--tokenizer", action="append", default=[],
+                            metavar="PATH|MODEL=PATH",
+                            help="tokenizer whose ids the engines prefill: a directory with "
+                                 "tokenizer.json, a .gguf file, an alias (smollm2-135m) or "
+                                 "'byte'; MODEL=PATH for one model, repeatable (default: the "
+                                 "one the instance records name; none: load-only routing)")
         choices = [*POLICIES, *POLICY_ALIASES]
         parser.add_argument("--policy", default=d.policy, choices=choices,
                             help="policy for both sides (default kv_aware; decode uses "
@@ -328,6 +382,7 @@ class RouterConfig:
         return cls(
             host=args.host, port=args.port, etcd=etcd,
             etcd_prefix=getattr(args, "etcd_prefix", DEFAULT_PREFIX), model=args.model,
+            tokenizers=parse_tokenizer_flags(getattr(args, "tokenizer", None) or []),
             policy=args.policy, prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy, prefill=prefill, decode=list(args.decode),
             admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,8 +14,9 @@ from router.config import parse_bootstrap_port
 from router.dispatch import HOP_HEADERS, Dispatcher, json_error
 from router.errors import BadRequest, RouterError
 from router.http.server import Request, Response, Stream, json_response
+from router.json_body import load_json
 from router.policy import RouteContext
-from router.requests import ANY, CHAT, COMPLETIONS, GENERATE, load_json, parse_body
+from router.requests import ANY, CHAT, COMPLETIONS, GENERATE, Parsed, parse_body
 from router.state import RouterState
 from router.workers import DECODE, PREFILL, ROLES
 
@@ -70,10 +72,11 @@ async def _proxy(svc: Services, request: Request, kind: str,
     admission = svc.admission
     limited = admission.limit > 0  # without a limit nothing is counted
     try:
-        parsed = await parse_body(kind, request.body, state.config.max_tokens,
-                                  state.pools.limits, state.config.block_size)
+        parsed = await _parse(state, kind, request.body)
         crid = client_rid(parsed.body, parsed.batch)
         state.check_model(parsed.model)
+        if parsed.load_only:
+            state.tokenizers.note_load_only(parsed.model)
         if crid is not None and given is None and isinstance(crid, str) and _usable_id(crid):
             # The client's own id names the request in logs and comes back in x-request-id;
             # the engines get a unique one instead (router.client_ids).
@@ -90,6 +93,12 @@ async def _proxy(svc: Services, request: Request, kind: str,
             admission.leave()
 
 
+def _parse(state: RouterState, kind: str, raw: bytes) -> Awaitable[Parsed]:
+    tokenizers = state.tokenizers
+    return parse_body(kind, raw, state.config.max_tokens, state.pools.limits,
+                      state.config.block_size, tokenizers, tokenizers.off_loop_bytes)
+
+
 async def generate(svc: Services, request: Request) -> Response | Stream:
     return await _proxy(svc, request, GENERATE, "/generate")
 
@@ -103,25 +112,40 @@ async def chat(svc: Services, request: Request) -> Response | Stream:
 
 
 async def debug_route(svc: Services, request: Request) -> Response:
+    """The decision a request would get, sent nowhere. Besides the pick: the prompt's token
+    count, per candidate the blocks the index shows (``index_blocks``) and those only the
+    router's prediction holds (``predicted_blocks``), the tokenizer used (None: the model has
+    none here, ``load_only``); with ``"return_token_ids": true``, the prompt's ``token_ids``."""
     state = svc.state
-    parsed = await parse_body(ANY, request.body, state.config.max_tokens,
-                              state.pools.limits, state.config.block_size)
+    parsed = await _parse(state, ANY, request.body)
     state.check_model(parsed.model)
+    want_ids = parsed.body.get("return_token_ids") is True
     t0 = time.perf_counter()
-    ctx = RouteContext(parsed.prompts[0], parsed.model or state.config.model, parsed.hashes)
+    model = parsed.model or state.config.model
+    ctx = RouteContext(parsed.prompts[0], model, parsed.hashes)
     pair = state.select_pair(ctx)
     p, d = pair.prefill, pair.decode
-    return json_response({
+    decision_us = round((time.perf_counter() - t0) * 1e6, 1)
+    tokens = parsed.prompts[0]
+    answer: dict[str, Any] = {
         "prefill": {"instance_id": p.worker.instance_id, "url": p.worker.url,
                     "bootstrap_host": p.worker.bootstrap_host,
                     "bootstrap_port": p.worker.bootstrap_port},
         "decode": {"instance_id": d.worker.instance_id, "url": d.worker.url},
         "policy": {"prefill": state.prefill_policy.name, "decode": state.decode_policy.name},
-        "prompt_tokens": len(parsed.prompts[0]), "prompt_blocks": p.prompt_blocks,
-        "matched_blocks": p.matched_blocks, "block_size": state.config.block_size,
-        "candidates": p.candidates, "decision_us": round((time.perf_counter() - t0) * 1e6, 1),
+        "model": model,
+        "tokenizer": state.tokenizers.describe(model) if parsed.from_text else None,
+        "load_only": (f"no tokenizer is known for model {model or '(none)'}: the text is "
+                      "routed on load alone") if parsed.load_only else None,
+        "prompt_tokens": None if parsed.load_only else len(tokens),
+        "prompt_blocks": p.prompt_blocks, "matched_blocks": p.matched_blocks,
+        "index_blocks": p.indexed_blocks, "block_size": state.config.block_size,
+        "candidates": p.candidates, "decision_us": decision_us,
         "index": state.index_detail(),
-    })
+    }
+    if want_ids:
+        answer["token_ids"] = None if parsed.load_only else [int(t) for t in tokens]
+    return json_response(answer)
 
 
 async def models(svc: Services, request: Request) -> Response:

@@ -81,6 +81,8 @@ class Score(NamedTuple):
     """Prefill work in blocks (``WorkLoad``), less the predicted blocks this prompt reuses."""
     indexed: int
     """Of ``matched``, the blocks the index shows."""
+    predicted: int
+    """Leading blocks the router's own prediction counts as held there (index aside)."""
 
 
 # A Score without the generated __new__'s Python frame: this runs once per candidate per
@@ -331,7 +333,7 @@ class KvAware(Policy):
             if load < 0.0:
                 load = 0.0
             scored.append(_score(Score, (float((n - m) * weight + load), w.load, m, w, load,
-                                         m_index)))
+                                         m_index, m_pred)))
         if cfg.temperature > 0 and len(scored) > 1:
             pick = self._sample(scored, cfg.temperature)
         else:
@@ -420,7 +422,7 @@ class KvAware(Policy):
 
 
 def _candidates(scored: list[Score]) -> list[dict[str, Any]]:
-    return [{"instance_id": s.worker.instance_id, "matched_blocks": s.matched, "load": s.load,
-             "load_blocks": round(s.load_blocks, 3), "indexed_blocks": s.indexed,
-             "cost": s.cost}
+    return [{"instance_id": s.worker.instance_id, "matched_blocks": s.matched,
+             "index_blocks": s.indexed, "predicted_blocks": s.predicted, "load": s.load,
+             "load_blocks": round(s.load_blocks, 3), "cost": s.cost}
             for s in sorted(scored, key=lambda s: (s.cost, s.load))]

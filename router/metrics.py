@@ -109,8 +109,34 @@ class RouterMetrics:
                                  "Requests routed to each instance", ["role", "instance"],
                                  registry=r)
         self.prefix_hit_tokens = Counter("kvatlas_router_prefix_hit_tokens",
-                                         "Prompt tokens the chosen prefill already held "
-                                         "(index or prediction)", registry=r)
+                                         "Prompt tokens the chosen prefill was counted as "
+                                         "holding: the sum of kvatlas_router_index_hit_tokens "
+                                         "and kvatlas_router_predicted_hit_tokens", registry=r)
+        # Apart, so that an index that never matches (a tokenizer unlike the engines') cannot
+        # hide behind the router's own predictions, which match whatever ids it made up.
+        self.index_hit_tokens = Counter("kvatlas_router_index_hit_tokens",
+                                        "Prompt tokens the block index showed the chosen "
+                                        "prefill holding", registry=r)
+        self.predicted_hit_tokens = Counter("kvatlas_router_predicted_hit_tokens",
+                                            "Prompt tokens counted as held by the chosen "
+                                            "prefill on the router's own prediction only (not "
+                                            "in the index, yet)", registry=r)
+        self.untokenizable_models = Gauge("kvatlas_router_untokenizable_models",
+                                          "1 for a model the router has no tokenizer for: its "
+                                          "text and chat prompts are routed on load alone",
+                                          ["model"], registry=r)
+        self.load_only_requests = Counter("kvatlas_router_load_only_requests",
+                                          "Text or chat requests routed on load alone because "
+                                          "no tokenizer is known for their model", ["model"],
+                                          registry=r)
+        self.tokenizer_info = Gauge("kvatlas_router_tokenizer",
+                                    "1 per model and the tokenizer the router hashes its prompts "
+                                    "with", ["model", "source", "fingerprint"], registry=r)
+        self.tokenizer_mismatch = Gauge("kvatlas_router_tokenizer_mismatch",
+                                        "1 for an instance whose record names a tokenizer "
+                                        "fingerprint other than the router's for its model",
+                                        ["instance", "model", "router_fingerprint",
+                                         "instance_fingerprint"], registry=r)
         self.prompt_tokens = Counter("kvatlas_router_prompt_tokens", "Prompt tokens routed",
                                      registry=r)
         self.retries = Counter("kvatlas_router_retries", "Attempts after the first", ["route"],
@@ -155,8 +181,11 @@ class RouterMetrics:
         # The unlabelled per-request metrics, counted the same cheap way.
         self.decision = _fast(self.decision_latency)
         self.prefix_hit = _fast(self.prefix_hit_tokens)
+        self.index_hit = _fast(self.index_hit_tokens)
+        self.predicted_hit = _fast(self.predicted_hit_tokens)
         self.prompt = _fast(self.prompt_tokens)
-        self._unlabelled = [*self.latency.values(), self.decision, self.prefix_hit, self.prompt]
+        self._unlabelled = [*self.latency.values(), self.decision, self.prefix_hit,
+                            self.index_hit, self.predicted_hit, self.prompt]
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, reused; counters and histograms come as their fast

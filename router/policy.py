@@ -122,8 +122,8 @@ class Policy(ABC):
 
 
 def _plain(workers: list[Worker]) -> list[dict[str, Any]]:
-    return [{"instance_id": w.instance_id, "matched_blocks": 0, "load": w.load, "cost": w.load}
-            for w in workers]
+    return [{"instance_id": w.instance_id, "matched_blocks": 0, "index_blocks": 0,
+             "predicted_blocks": 0, "load": w.load, "cost": w.load} for w in workers]
 
 
 class RoundRobin(Policy):

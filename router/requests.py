@@ -11,16 +11,17 @@ import asyncio
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
 
 from router.errors import BadRequest
+from router.json_body import load_json_fast
 from router.limits import Limit, WorkerLimits
 from router.policy import prompt_hashes
 from router.rooms import new_room
-from router.tokenize import chat_text, encode_text
+from tokenization import ChatTemplateError, Tokenizer
 
 GENERATE = "generate"
 COMPLETIONS = "completions"
@@ -47,89 +48,16 @@ class Parsed:
     parser's thread (``RouteContext.pre_hashed``)."""
     orjson_parsed: bool = False
     """orjson parsed ``body``, so orjson can write it again as it was (``_dumps``)."""
+    from_text: bool = False
+    """The prompts are text or chat (the router tokenized them), not token ids."""
+    tokenizer: Tokenizer | None = None
+    """The tokenizer of ``model`` the text was encoded with; None: none is known here, and a
+    text prompt's ids are empty (routed on load alone, ``load_only``)."""
 
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-# Bytes -> b"0" for a digit, b"[" for an opening bracket, b"x" otherwise, so that one pass
-# serves both checks: a run of 19 digits may be an integer orjson turns into a float (it keeps
-# ints within [-2^63, 2^64-1] exact; any 18-digit one fits), and brackets bound the depth.
-_CLASSES = bytes(0x30 if 0x30 <= i <= 0x39 else 0x5B if i in b"[{" else 0x78
-                 for i in range(256))
-_LONG_INT = b"0" * 19
-
-
-MAX_DEPTH = 256
-"""Deepest nesting of arrays and objects a body may have. Why a bound: the standard parser and
-``json.dumps`` (which re-serializes a body that already carries bootstrap fields) recurse per
-level, and Python's recursion limit (1000) would turn a deep body into a 500."""
-
-NOT_UTF8 = "is not UTF-8; send JSON encoded as UTF-8 (RFC 8259)"
-"""The reason given for a body in another encoding, word for word the engine's too: a client
-gets the same answer from the router and from a worker."""
-_WIDE_BOMS = (b"\x00\x00\xfe\xff", b"\xff\xfe", b"\xfe\xff")  # UTF-32-BE, UTF-16/32-LE, UTF-16-BE
-
-
-def load_json(raw: bytes) -> dict[str, Any]:
-    """The JSON object in ``raw``; BadRequest for anything else (empty, not UTF-8, not JSON,
-    NaN/Infinity, nested deeper than MAX_DEPTH, not an object)."""
-    return _load_json(raw)[0]
-
-
-def _load_json(raw: bytes) -> tuple[dict[str, Any], bool]:
-    """``load_json``, and whether orjson parsed it: then orjson writes it back as it was
-    (there is no int over 64 bits, no float a huge literal made infinite, no lone surrogate)."""
-    if not raw:
-        raise BadRequest("body", "is empty; send a JSON object")
-    body: Any = None
-    classes = raw.translate(_CLASSES)
-    if _LONG_INT not in classes:
-        # orjson is strict (refuses NaN/Infinity, invalid UTF-8, NUL bytes, depth over 1024)
-        # and several times faster: what it parses needs no further encoding check.
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass  # the standard parser decides, with its messages
-    fast = body is not None
-    if not fast:
-        body = _load_slow(raw)
-    if not isinstance(body, dict):
-        raise BadRequest("body", f"must be a JSON object, got {type(body).__name__}")
-    # Depth n needs n opening brackets: a cheap count spares the walk for nearly every body.
-    if len(raw) > 2 * MAX_DEPTH and classes.count(b"[") > MAX_DEPTH:
-        _check_depth(body)
-    return body, fast
-
-
-def _load_slow(raw: bytes) -> Any:
-    # json.loads(bytes) would guess UTF-16/32 and take them; workers refuse them, so the
-    # router does too. UTF-16/32 text of ASCII is valid UTF-8 with NULs: hence the NUL check.
-    if b"\x00" in raw[:4] or raw.startswith(_WIDE_BOMS):
-        raise BadRequest("body", NOT_UTF8)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BadRequest("body", NOT_UTF8) from None
-    try:
-        # NaN/Infinity are Python extensions a strict worker would refuse: never forward.
-        return json.loads(text, parse_constant=_no_constants)
-    except ValueError as exc:
-        raise BadRequest("body", f"not valid JSON ({exc})") from None
-    except RecursionError:
-        raise BadRequest("body", f"JSON nested deeper than {MAX_DEPTH} levels") from None
-
-
-def _check_depth(body: Any) -> None:
-    """BadRequest when ``body`` nests deeper than MAX_DEPTH (iterative: no recursion)."""
-    level = [body]
-    for _ in range(MAX_DEPTH):
-        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c)
-                 if isinstance(v, (dict, list))]
-        if not level:
-            return
-    raise BadRequest("body", f"JSON nested deeper than {MAX_DEPTH} levels")
+    @property
+    def load_only(self) -> bool:
+        """Text the router could not tokenize: kv_aware sees no prefix of it."""
+        return self.from_text and self.tokenizer is None
 
 
 def _ids(value: Any, field: str, limit: Limit | None = None) -> list[int]:
@@ -145,21 +73,77 @@ def _ids(value: Any, field: str, limit: Limit | None = None) -> list[int]:
     return value
 
 
-def _text(value: Any, field: str, limit: Limit | None = None) -> np.ndarray:
+NO_IDS = np.empty(0, dtype="<u4")
+"""The ids of a text prompt whose model has no tokenizer here: nothing to hash (load-only)."""
+_SURROGATE = "is not valid UTF-8 (contains a lone surrogate)"
+
+
+def _text(value: Any, field: str, limit: Limit | None = None,
+          tok: Tokenizer | None = None) -> np.ndarray:
+    """The ids the engines prefill for text ``value`` (``encode``, special tokens added)."""
     if not isinstance(value, str):
         raise BadRequest(field, f"must be a string, got {type(value).__name__}")
     if not value:
         raise BadRequest(field, "must not be empty")
-    if limit is not None and len(value) >= limit.value:
-        # A character is at least one UTF-8 byte, so one token, and BOS comes first: refused
-        # from its length alone, before any encoding.
+    if tok is None:
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadRequest(field, _SURROGATE) from None
+        return NO_IDS
+    if limit is not None and tok.kind == "byte" and len(value) >= limit.value:
+        # The byte tokenizer gives BOS and at least one id a character: refused from the length
+        # alone, before encoding. (A real tokenizer merges characters: only its ids can tell.)
         raise BadRequest(field, limit.prompt_reason(f"at least {len(value) + 1}"))
     try:
-        ids = encode_text(value)
+        ids = tok.encode_array(value)
     except UnicodeEncodeError:
-        raise BadRequest(field, "is not valid UTF-8 (contains a lone surrogate)") from None
+        raise BadRequest(field, _SURROGATE) from None
+    except ValueError as exc:
+        raise BadRequest(field, f"cannot be tokenized ({exc})") from None
     if limit is not None and len(ids) > limit.value:
         raise BadRequest(field, limit.prompt_reason(len(ids)))
+    return ids
+
+
+def _chat(body: dict[str, Any], messages: list[Any], limit: Limit | None,
+          tok: Tokenizer | None) -> np.ndarray:
+    """The ids the engines prefill for ``messages``: the model's chat template, with the body's
+    ``tools`` and ``chat_template_kwargs``, then encoded without special tokens."""
+    if not messages:
+        raise BadRequest("messages", "must be a non-empty list of {role, content} objects")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise BadRequest(f"messages[{i}]", f"must be an object, got {type(msg).__name__}")
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            raise BadRequest(f"messages[{i}].role", "must be a non-empty string")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, dict):
+        raise BadRequest("chat_template_kwargs",
+                         f"must be an object, got {type(kwargs).__name__}")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("tools", f"must be a list, got {type(tools).__name__}")
+    if tok is None:
+        return NO_IDS
+    kwargs = dict(kwargs)
+    generation = kwargs.pop("add_generation_prompt", True)
+    kwargs.pop("tools", None)
+    try:
+        ids = tok.encode_chat_array(messages, add_generation_prompt=generation is not False,
+                                    tools=tools, **kwargs)
+    except ChatTemplateError as exc:
+        raise BadRequest(exc.path, exc.reason) from None
+    except UnicodeEncodeError:
+        raise BadRequest("messages", _SURROGATE) from None
+    except ValueError as exc:
+        raise BadRequest("messages", f"cannot be tokenized ({exc})") from None
+    if limit is not None and len(ids) > limit.value:
+        raise BadRequest("messages", limit.prompt_reason(len(ids)))
     return ids
 
 
@@ -193,26 +177,21 @@ def _model(d: dict[str, Any]) -> str | None:
     return m or None
 
 
-def parse_generate(body: dict[str, Any], max_tokens: int,
-                   limit: Limit | None = None) -> Parsed:
+def parse_generate(body: dict[str, Any], max_tokens: int, limit: Limit | None = None,
+                   tok: Tokenizer | None = None) -> Parsed:
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise BadRequest("text", "give exactly one of text or input_ids (the prompt is missing)"
                          if text is None else "give exactly one of text or input_ids")
     batch: int | None = None
-    if text.__class__ is str and text and limit is None:
-        try:
-            prompts = [encode_text(text)]
-        except UnicodeEncodeError:
-            raise BadRequest("text", "is not valid UTF-8 (contains a lone surrogate)") from None
-    elif text is not None:
+    if text is not None:
         if isinstance(text, list):
             if not text:
                 raise BadRequest("text", "batch must not be empty")
-            prompts = [_text(t, f"text[{i}]", limit) for i, t in enumerate(text)]
+            prompts = [_text(t, f"text[{i}]", limit, tok) for i, t in enumerate(text)]
             batch = len(prompts)
         else:
-            prompts = [_text(text, "text", limit)]
+            prompts = [_text(text, "text", limit, tok)]
     else:
         if isinstance(ids, list) and ids and isinstance(ids[0], list):
             prompts = [_ids(p, f"input_ids[{i}]", limit) for i, p in enumerate(ids)]
@@ -232,19 +211,21 @@ def parse_generate(body: dict[str, Any], max_tokens: int,
     stream = _flag(body, "stream")
     if batch is not None and stream:
         raise BadRequest("stream", "streaming is supported for a single prompt only")
-    return Parsed(body, prompts, batch, stream, _model(body))
+    return Parsed(body, prompts, batch, stream, _model(body), from_text=text is not None)
 
 
-def parse_completion(body: dict[str, Any], max_tokens: int,
-                     limit: Limit | None = None) -> Parsed:
+def parse_completion(body: dict[str, Any], max_tokens: int, limit: Limit | None = None,
+                     tok: Tokenizer | None = None) -> Parsed:
     prompt = body.get("prompt")
     if prompt is None:
         raise BadRequest("prompt", "is missing")
     batch: int | None = None
-    if isinstance(prompt, str):
-        prompts = [_text(prompt, "prompt", limit)]
+    text = isinstance(prompt, str)
+    if text:
+        prompts = [_text(prompt, "prompt", limit, tok)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [_text(p, f"prompt[{i}]", limit) for i, p in enumerate(prompt)]
+        text = True
+        prompts = [_text(p, f"prompt[{i}]", limit, tok) for i, p in enumerate(prompt)]
         batch = len(prompts) if len(prompts) > 1 else None
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         prompts = [_ids(p, f"prompt[{i}]", limit) for i, p in enumerate(prompt)]
@@ -253,22 +234,19 @@ def parse_completion(body: dict[str, Any], max_tokens: int,
         prompts = [_ids(prompt, "prompt", limit)]
     _openai_common(body, max_tokens)
     stream = _flag(body, "stream")
-    return Parsed(body, prompts, batch, stream, _model(body))
+    return Parsed(body, prompts, batch, stream, _model(body), from_text=text)
 
 
-def parse_chat(body: dict[str, Any], max_tokens: int,
-               limit: Limit | None = None) -> Parsed:
+def parse_chat(body: dict[str, Any], max_tokens: int, limit: Limit | None = None,
+               tok: Tokenizer | None = None) -> Parsed:
     messages = body.get("messages")
     if messages is None:
         raise BadRequest("messages", "is missing")
     if not isinstance(messages, list):
         raise BadRequest("messages", f"must be a list, got {type(messages).__name__}")
-    try:
-        prompts = [_text(chat_text(messages), "messages", limit)]
-    except ValueError as exc:
-        raise BadRequest("messages", str(exc)) from None
+    prompts = [_chat(body, messages, limit, tok)]
     _openai_common(body, max_tokens)
-    return Parsed(body, prompts, None, _flag(body, "stream"), _model(body))
+    return Parsed(body, prompts, None, _flag(body, "stream"), _model(body), from_text=True)
 
 
 def _openai_common(body: dict[str, Any], max_tokens: int) -> None:
@@ -288,14 +266,14 @@ def _one_sample(n: Any, field: str) -> None:
                             "sample per prompt; send the prompt n times instead")
 
 
-def _parse_any(body: dict[str, Any], max_tokens: int,
-               limit: Limit | None = None) -> Parsed:
+def _parse_any(body: dict[str, Any], max_tokens: int, limit: Limit | None = None,
+               tok: Tokenizer | None = None) -> Parsed:
     """For /debug/route: whichever prompt field the body carries."""
     if "messages" in body:
-        return parse_chat(body, max_tokens, limit)
+        return parse_chat(body, max_tokens, limit, tok)
     if "prompt" in body and "text" not in body and "input_ids" not in body:
-        return parse_completion(body, max_tokens, limit)
-    return parse_generate(body, max_tokens, limit)
+        return parse_completion(body, max_tokens, limit, tok)
+    return parse_generate(body, max_tokens, limit, tok)
 
 
 ANY = "any"
@@ -308,41 +286,66 @@ body does not stall the event loop (health answers, etcd watches, every other re
 thread's Python work yields the GIL every few ms, the loop's own turns stay short. Smaller
 bodies take well under a millisecond: a thread hop would only add to their latency."""
 
+OFF_LOOP_BYTES_HF = 16 << 10
+"""The same bound for a model with a real (BPE) tokenizer, which takes about a microsecond per
+prompt byte: a 16 KiB body costs ~TODO ms inline, a thread hop ~TODO µs (bench/router.py)."""
+
+
+class ResolvesTokenizers(Protocol):
+    """What the parser asks of ``router.tokenizers.Tokenizers``."""
+
+    def for_request(self, model: str | None) -> tuple[str | None, Tokenizer | None]:
+        """(the canonical model a request naming ``model`` means, its tokenizer or None)."""
+        ...
+
+
 _parse_pool: ThreadPoolExecutor | None = None
 
 
 def parse_request(kind: str, raw: bytes, max_tokens: int, limits: WorkerLimits | None = None,
-                  block_size: int | None = None) -> Parsed:
+                  block_size: int | None = None,
+                  tokenizers: ResolvesTokenizers | None = None) -> Parsed:
     """``raw`` checked as a ``kind`` request (``ANY``: whichever fields it has), with its
-    prompt limit: that of the model it names. With ``block_size``, the first prompt's block
+    prompt limit: that of the model it names, text tokenized with that model's tokenizer
+    (``tokenizers``; None: no text is tokenized). With ``block_size``, the first prompt's block
     hashes are computed too."""
     if limits is not None and limits.body is not None and len(raw) > limits.body.value:
         raise BadRequest("body", f"has {len(raw)} bytes; at most {limits.body.value} are taken "
                                  f"({limits.body.source})", 413)
-    body, fast = _load_json(raw)
-    model = body.get("model")
-    limit = limits.prompt(model if model.__class__ is str else None) if limits else None
-    parsed = PARSERS[kind](body, max_tokens, limit)
+    body, fast = load_json_fast(raw)
+    named = body.get("model")
+    model, tok = None, None
+    if named.__class__ is str or named is None:
+        if tokenizers is not None:
+            model, tok = tokenizers.for_request(named or None)
+        else:
+            model = named or None
+    limit = limits.prompt(model, tok) if limits else None
+    parsed = PARSERS[kind](body, max_tokens, limit, tok)
     parsed.raw = raw
     parsed.orjson_parsed = fast
+    parsed.tokenizer = tok
+    if named:
+        parsed.model = model  # canonical: an alias names its model
     if block_size is not None:
         parsed.hashes = prompt_hashes(parsed.prompts[0], block_size)
     return parsed
 
 
 async def parse_body(kind: str, raw: bytes, max_tokens: int, limits: WorkerLimits | None,
-                     block_size: int) -> Parsed:
-    """``parse_request``; in a thread for a body over OFF_LOOP_BYTES, where the prompt's
+                     block_size: int, tokenizers: ResolvesTokenizers | None = None,
+                     off_loop: int = OFF_LOOP_BYTES) -> Parsed:
+    """``parse_request``; in a thread for a body over ``off_loop`` bytes, where the prompt's
     block hashes are computed as well."""
-    if len(raw) <= OFF_LOOP_BYTES:
-        return parse_request(kind, raw, max_tokens, limits)
+    if len(raw) <= off_loop:
+        return parse_request(kind, raw, max_tokens, limits, None, tokenizers)
     global _parse_pool
     if _parse_pool is None:
         # Its own two threads: huge bodies queue here, never in the default executor that
         # upstream connects resolve names in.
         _parse_pool = ThreadPoolExecutor(2, thread_name_prefix="router-parse")
     return await asyncio.get_running_loop().run_in_executor(
-        _parse_pool, parse_request, kind, raw, max_tokens, limits, block_size)
+        _parse_pool, parse_request, kind, raw, max_tokens, limits, block_size, tokenizers)
 
 
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")

@@ -14,6 +14,7 @@ from router.errors import NoWorkers, UnknownModel
 from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.policy import Choice, Policy, RouteContext
+from router.tokenizers import Tokenizers
 from router.workers import DECODE, PREFILL, Worker, WorkerPools
 
 
@@ -41,6 +42,9 @@ class RouterState:
         self.decode_policy: Policy = make_policy(
             "power_of_two" if decode_name == "kv_aware" else decode_name)
         self.pools.listeners.append(self._on_pool_change)
+        self.tokenizers = Tokenizers(config, self.metrics, self._served_model)
+        """Per model, the tokenizer text prompts are encoded with (``start`` loads the flags')."""
+        self.pools.listeners.append(self.tokenizers.on_worker)
         for url, port in config.prefill:
             self.pools.add(PREFILL, url, bootstrap_port=port, model=config.model)
         for url in config.decode:
@@ -70,6 +74,11 @@ class RouterState:
         if index is None or not index.ready:
             return None
         return index.version()
+
+    def _served_model(self) -> str | None:
+        """The one model the pools serve, if exactly one."""
+        served = self.pools.models()
+        return next(iter(served)) if len(served) == 1 else None
 
     def _only_model(self, index: IndexReader) -> str | None:
         """The model a request naming none means: the one the pools serve, or else the one
@@ -136,6 +145,8 @@ class RouterState:
         m.child(m.decisions, DECODE, d.worker.instance_id).inc()
         bs = self.config.block_size
         m.prefix_hit.inc(p.matched_blocks * bs)
+        m.index_hit.inc(p.indexed_blocks * bs)
+        m.predicted_hit.inc((p.matched_blocks - p.indexed_blocks) * bs)
         m.prompt.inc(p.prompt_blocks * bs)
 
     def refresh_gauges(self) -> None:

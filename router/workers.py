@@ -8,11 +8,16 @@ these fields:
 - ``role``: ``"prefill"`` or ``"decode"`` (records of other roles, e.g. ``monolithic``, are
   ignored);
 - ``url``: the worker's HTTP base URL (a record without one cannot be routed to and is skipped);
-- ``model``: the served model (filtered against ``--model`` when given);
+- ``model``: the served model (filtered against ``--model`` when given; an alias is taken as
+  its canonical name);
 - ``bootstrap_host`` / ``bootstrap_port``: where decodes find the prefill's bootstrap server
   (host defaults to the URL's host, port to None = the prefill's default 8998);
 - ``ready``: false keeps the worker in the pool but unselectable (e.g. ranks still registering);
-- ``max_prompt_tokens`` / ``context_length``: the longest prompt it takes (see router/limits.py).
+- ``max_prompt_tokens`` / ``context_length``: the longest prompt it takes (see router/limits.py);
+- ``tokenizer``: the tokenizer it prefills with (see router/tokenizers.py).
+
+Listeners of the pools are told "join", "leave", "moved" (a new URL) and "record" (the record
+of a worker already in the pool was written again).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from index.record import DECODE, PREFILL, RecordReader
 from router.breaker import CircuitBreaker
 from router.config import RouterConfig, check_url
 from router.limits import Stated, WorkerLimits, stated_limits
+from tokenization import canonical_model
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +111,8 @@ def parse_instance_record(instance_id: str, raw: bytes, reader: RecordReader | N
         logger.warning("instance %s: no usable url (%s); ignored until it publishes one",
                        instance_id, exc)
         return None
-    return {"instance_id": instance_id, "role": role, "url": url, "model": rec.model,
+    model = canonical_model(rec.model) if rec.model else None
+    return {"instance_id": instance_id, "role": role, "url": url, "model": model,
             "bootstrap_host": rec.bootstrap_host or None, "bootstrap_port": rec.bootstrap_port,
             "ready": rec.ready, "raw": rec.to_dict(), "record": rec}
 
@@ -167,6 +174,7 @@ class WorkerPools:
                 logger.info("%s worker %s moved to %s", role, iid, url)
                 worker.limits, worker.info_asked = Stated(), False  # maybe another server
                 self._tell("moved", worker)
+            self._tell("record", worker)
         # What the record states wins over what /server_info told: it names this process.
         stated, known = stated_limits(record, iid), worker.limits
         self.learned(worker, Stated(stated.prompt or known.prompt, stated.body or known.body))

@@ -15,6 +15,7 @@ ROOTS = {
     "bootstrap": "bootstrap.errors:BootstrapLayerError",
     "engine": "engine.errors:EngineError",
     "router": "router.errors:RouterError",
+    "tokenization": "tokenization.base:TokenizationError",
 }
 """Each layer's root. Private classes (a leading ``_``) are control flow inside one module
 (``bootstrap.client._Retry``, ``router.http.server._StopParsing``) and never leave it."""

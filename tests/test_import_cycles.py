@@ -25,7 +25,7 @@ def project_modules() -> dict[str, Path]:
     for pkg in PACKAGES:
         top = ROOT / pkg
         if not top.is_dir():
-            continue  # tokenization/ is planned, not there yet
+            continue
         for f in sorted(top.rglob("*.py")):
             parts = f.relative_to(ROOT).with_suffix("").parts
             if parts[-1] == "__init__":

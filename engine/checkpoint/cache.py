@@ -97,6 +97,7 @@ def write(path: Path | None, arrays: dict[str, np.ndarray], metadata: dict[str, 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(arrays, str(tmp), metadata=metadata)
+        os.chmod(tmp, 0o644)  # readable by other users' engines sharing the cache directory
         os.replace(tmp, path)
     except OSError as e:
         log.warning("could not write checkpoint cache %s: %s", path, e)

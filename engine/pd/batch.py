@@ -23,7 +23,14 @@ from aiohttp import web
 from engine.errors import BadRequest
 from engine.http_common import error_status, read_body, state
 from engine.pd.common import Bootstrap, bootstrap_fields, json_error
-from engine.protocol import GenInput, include_usage, parse_chat, parse_completion, parse_generate
+from engine.protocol import (
+    GenInput,
+    check_model,
+    include_usage,
+    parse_chat,
+    parse_completion,
+    parse_generate,
+)
 
 PER_ITEM = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")
 
@@ -43,14 +50,14 @@ async def read_pd_items(request: web.Request) -> tuple[list[PDItem], bool]:
     """(items, is_batch) of a PD ``/generate``; BadRequest naming the field (and the batch
     item) when any item is malformed."""
     body = await read_body(request)
-    model = state(request).model
+    st = state(request)
     bodies = split_batch(body)
     if bodies is None:
-        return [_item(body, model)], False
+        return [_item(body, st.model, st.tokenizer)], False
     items = []
     for i, one in enumerate(bodies):
         try:
-            items.append(_item(one, model))
+            items.append(_item(one, st.model, st.tokenizer))
         except BadRequest as exc:
             raise BadRequest(f"batch item {i}: {exc.field}", exc.reason) from None
     return items, True
@@ -60,7 +67,9 @@ async def read_openai_item(request: web.Request, chat: bool) -> tuple[PDItem, bo
     """(the item, whether its stream wants a usage chunk) of a PD OpenAI request."""
     body = await read_body(request)
     boot = bootstrap_fields(body)
-    gen, stream = (parse_chat if chat else parse_completion)(body, state(request).model)
+    st = state(request)
+    gen, stream = (parse_chat if chat else parse_completion)(body, st.model, st.tokenizer)
+    check_model(body, st.config.model_names)
     return PDItem(body, boot, gen, stream), include_usage(body) if stream else False
 
 
@@ -109,9 +118,9 @@ def split_batch(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return out
 
 
-def _item(body: dict[str, Any], model: Any) -> PDItem:
+def _item(body: dict[str, Any], model: Any, tok: Any) -> PDItem:
     boot = bootstrap_fields(body)
-    inputs, batch, stream = parse_generate(body, model)
+    inputs, batch, stream = parse_generate(body, model, tok)
     if batch:  # a list nested in a batch item
         raise BadRequest("text", "a batch item carries one prompt")
     return PDItem(body, boot, inputs[0], stream)

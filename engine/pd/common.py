@@ -21,6 +21,7 @@ from engine.prefix_cache import PrefixCache
 from engine.ranks.dist import Dist, RankInfo
 from engine.ranks.replica import ReplicatedScheduler
 from engine.ranks.uplink import UplinkServer
+from engine.runner import load_model
 from engine.scheduler import Scheduler
 from index.rooms import ROUTER_ROOMS
 from transfer import KVLayout
@@ -49,16 +50,32 @@ def build_rank(cfg: PDConfig, info: RankInfo, dist: Dist) -> tuple[Scheduler, KV
     """This rank's scheduler (model shard, pool shard, prefix cache) and its KV layout."""
     e, m = cfg.engine, cfg.engine.model_config
     heads = info.kv_heads(m.num_kv_heads)
-    model = Transformer(m, device=e.device, kv_heads=heads)
+    model, tok = load_model(e.spec, device=e.device, kv_heads=heads)
     pool = KVPool(m.num_layers, m.num_kv_heads, m.head_dim, dtype_from_name(cfg.kv_dtype),
                   e.kv_pages, e.page_size, device=model.device, kv_heads=heads)
     cache = PrefixCache(pool, enabled=e.enable_prefix_cache and cfg.mode == "prefill")
+    # every rank detokenizes too: its requests must stop (EOS, stop strings) when the leader's do
     sched = Scheduler(ShardedModel(model, dist.combine()), cache,  # type: ignore[arg-type]
-                      max_batch_tokens=e.max_batch_tokens, max_running=e.max_running)
+                      max_batch_tokens=e.max_batch_tokens, max_running=e.max_running,
+                      tokenizer=tok)
     layout = KVLayout.for_tp(num_layers=m.num_layers, num_heads=m.num_kv_heads,
                              head_dim=m.head_dim, page_size=e.page_size, dtype=cfg.kv_dtype,
                              tp_rank=info.tp_rank, tp_size=info.tp_size)
     return sched, layout
+
+
+def served_fields(cfg: PDConfig, sched: Scheduler) -> dict[str, Any]:
+    """What an instance's etcd record says about what it serves, beside ``model`` (the served
+    name): ``tokenizer`` (``tokenization.tokenizer_record``: its source and fingerprint, so
+    that a router can tell whether it tokenizes as this engine does), ``context_length``, and
+    the longest prompt and body it takes (as ``/server_info`` reports them)."""
+    from tokenization import tokenizer_record
+
+    e, m = cfg.engine, cfg.engine.model_config
+    return {"tokenizer": dict(tokenizer_record(sched.tokenizer)),
+            "context_length": m.max_positions,
+            "max_prompt_tokens": min(m.max_prompt_tokens, e.kv_pages * e.page_size),
+            "max_body_bytes": e.max_request_bytes}
 
 
 @dataclass(frozen=True)

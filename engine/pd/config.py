@@ -87,10 +87,7 @@ class PDConfig:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
         if self.dist_init_addr and not _ADDR.match(self.dist_init_addr):
             raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
-        kv_heads = self.engine.model_config.num_kv_heads
-        if kv_heads % self.tp:
-            raise ValueError(f"model {self.engine.model} has {kv_heads} KV heads, which --tp "
-                             f"{self.tp} does not divide")
+        self.engine.check_tp(self.tp)
         if self.load_balance_method not in LOAD_BALANCE:
             raise ValueError(f"--load-balance-method must be one of {LOAD_BALANCE}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:

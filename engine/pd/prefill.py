@@ -33,7 +33,7 @@ from engine import server as mono
 from engine.errors import BadRequest, CapacityError
 from engine.http_common import until_disconnected
 from engine.pd.batch import PDItem, answer_batch, item_ids, read_openai_item, read_pd_items
-from engine.pd.common import Bootstrap, json_error, start_group_leader, worker_app
+from engine.pd.common import Bootstrap, json_error, served_fields, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, rank_route, start_engine
 from engine.ranks.replica import ReplicatedScheduler
@@ -281,7 +281,8 @@ async def start_prefill(app: web.Application, stack: contextlib.AsyncExitStack) 
     bport = ranks.bootstrap_port or cfg.bootstrap_port
     writer = sink = None
     if info.world_rank == 0:
-        writer, sink = await start_bootstrap(cfg, ranks, bport, stack)
+        writer, sink = await start_bootstrap(cfg, ranks, bport, stack, served_fields(
+            cfg, sched))
     # Made after the bootstrap server is up: a start it refuses (a port in use, an instance id
     # in use) has no session to close.
     session = aiohttp.ClientSession()
@@ -313,10 +314,12 @@ async def start_prefill(app: web.Application, stack: contextlib.AsyncExitStack) 
 
 
 async def start_bootstrap(cfg: PDConfig, ranks: RankContext, bport: int,
-                          stack: contextlib.AsyncExitStack
+                          stack: contextlib.AsyncExitStack,
+                          served: dict[str, Any] | None = None
                           ) -> tuple[BlockWriter | None, Any]:
     """World rank 0: the instance's bootstrap server and, with etcd, its index writer fed by
-    every DP group's prefix cache. Returns (writer, this group's KV event sink) or Nones."""
+    every DP group's prefix cache (``served``: the record fields of ``served_fields``).
+    Returns (writer, this group's KV event sink) or Nones."""
     info = ranks.info
     url = f"http://{cfg.public_host}:{cfg.engine.port}"
     bcfg = BootstrapConfig(instance_id=cfg.instance_id or "", model=cfg.engine.model_name,
@@ -325,7 +328,7 @@ async def start_bootstrap(cfg: PDConfig, ranks: RankContext, bport: int,
                            etcd_prefix=cfg.etcd_prefix, lease_ttl=cfg.lease_ttl,
                            read_timeout_s=cfg.engine.read_timeout_s,
                            instance_fields={"url": url, "tp_size": info.tp_size,
-                                            "dp_size": info.dp_size})
+                                            "dp_size": info.dp_size, **(served or {})})
     bapp = create_bootstrap_app(bcfg)
     boot_runner = make_runner(bapp, access_log=None)
     stack.push_async_callback(boot_runner.cleanup)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Any
 
 from engine.pd.config import PDConfig
 from engine.ranks.dist import RankInfo
@@ -20,18 +21,22 @@ from index.record import DECODE, InstanceRecord
 log = logging.getLogger(__name__)
 
 
-def decode_record(cfg: PDConfig, info: RankInfo) -> InstanceRecord:
-    """This decode's instance record (``started_at``: now, a new value per process)."""
+def decode_record(cfg: PDConfig, info: RankInfo, served: dict[str, Any] | None = None
+                  ) -> InstanceRecord:
+    """This decode's instance record (``started_at``: now, a new value per process;
+    ``served``: ``engine.pd.common.served_fields``, the tokenizer record and limits)."""
     assert cfg.instance_id is not None
     e = cfg.engine
     return InstanceRecord(
         instance_id=cfg.instance_id, role=DECODE, model=e.model_name,
         url=f"http://{cfg.public_host}:{e.port}", tp_size=info.tp_size, dp_size=info.dp_size,
-        page_size=e.page_size, kv_cache_dtype=cfg.kv_dtype, ready=True, started_at=time.time())
+        page_size=e.page_size, kv_cache_dtype=cfg.kv_dtype, ready=True, started_at=time.time(),
+        **(served or {}))
 
 
 class DecodeRecord:
-    def __init__(self, cfg: PDConfig, info: RankInfo) -> None:
+    def __init__(self, cfg: PDConfig, info: RankInfo, served: dict[str, Any] | None = None
+                 ) -> None:
         assert cfg.etcd is not None and cfg.instance_id is not None
         self.layout = KeyLayout(prefix=cfg.etcd_prefix)
         self.client = EtcdClient(cfg.etcd)
@@ -39,7 +44,7 @@ class DecodeRecord:
         self.keys = LeasedKeys(self.session, [])
         self.instance_id = cfg.instance_id
         self.key = self.layout.instance(cfg.instance_id)
-        self.record = decode_record(cfg, info)
+        self.record = decode_record(cfg, info, served)
         self.keys.set(self.key, self.record.to_json())
         self._tasks: list[asyncio.Task[None]] = []
 

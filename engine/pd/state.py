@@ -76,7 +76,8 @@ async def start_engine(app: web.Application, stack: contextlib.AsyncExitStack, c
     removes) and start its engine, whose stop goes on the stack."""
     run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kvatlas-{role}-"))
     model_path = mono.prepare_model_path(cfg.engine, cfg.engine.model_config, run_dir)
-    app[STATE_KEY] = EngineState(cfg.engine, cfg.engine.model_config, engine,
+    app[STATE_KEY] = EngineState(cfg.engine, cfg.engine.model_config,
+                                 replica.tokenizer, engine,
                                  make_registry(engine, cfg.engine.model_name), model_path,
                                  time.time())
     await engine.start()

@@ -23,7 +23,7 @@ from kvatlas.cli import CLIError
 from kvatlas.commands._common import add_etcd_args, etcd_password
 from kvatlas.launcher.state import ClusterState, proc_rss
 from kvatlas.launcher.supervisor import LocalCluster, StartError, http_status, stop_processes
-from kvatlas.launcher.topology import EtcdClientFlags, Topology
+from kvatlas.launcher.topology import DEFAULT_MODEL, EtcdClientFlags, Topology
 
 DEFAULT_RUN_DIR = ".kvatlas/run"
 DEFAULT_ROUTER_PORT = 8000
@@ -51,7 +51,9 @@ def register(subparsers: Any) -> None:
     up.add_argument("--decode-tp", type=int, default=1, help="TP ranks per decode instance")
     up.add_argument("--etcd-members", type=int, default=1, choices=(1, 3),
                     help="embedded etcd members (default 1)")
-    up.add_argument("--model", default="tiny", help="engine model config (default tiny)")
+    up.add_argument("--model", default=DEFAULT_MODEL,
+                    help=f"what the engines serve (default {DEFAULT_MODEL}, a real instruct "
+                         "model; tiny: the seeded byte-tokenizer model tests use)")
     up.add_argument("--router-port", type=int, default=None,
                     help=f"router port (default {DEFAULT_ROUTER_PORT} when free, else a free one)")
     up.add_argument("--lease-ttl", type=int, default=10, help="instance lease TTL in seconds")

@@ -18,15 +18,23 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from engine.tokenizer import BOS_ID, ByteTokenizer
 from index.agent import AgentConfig, AgentError, IndexAgent
 from index.etcd import EtcdClient
 from index.hashing import DEFAULT_BLOCK_SIZE, MAX_TOKEN_ID, block_hashes, namespace_seed
 from index.keys import validate_model
+from index.record import InstanceRecord
 from index.table import BlockTable
 from kvatlas.cli import CLIError
 from kvatlas.commands._common import key_layout
 from kvatlas.commands._index_stats import add_stats_parser
+from kvatlas.commands._prompt import (
+    add_prompt_args,
+    chat_messages,
+    encode,
+    load,
+    parse_records,
+    tokenizer_source,
+)
 from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_etcd_settings
 
 logger = logging.getLogger(__name__)
@@ -34,13 +42,14 @@ logger = logging.getLogger(__name__)
 CLI_ETCD_TIMEOUT = 3.0  # a one-shot command must fail fast when etcd is away
 
 TOKENIZER_HELP = (
-    "Text prompts (--prompt) go through the byte tokenizer of kvatlas's reference engine: the "
-    "UTF-8 bytes of the text are token ids 0-255, preceded by BOS (id 256) exactly as the engine "
-    "does for a text prompt, and the engine's prefix cache hashes that whole sequence, so "
-    "--prompt finds the blocks the engine stored. Use --no-bos for an engine that adds none, and "
-    "--tokens/--tokens-file for engines with other tokenizers (vLLM, SGLang: pass the ids their "
-    "tokenizer produced). Block hashes follow the DESIGN contract (chained XXH3, seed 1337, or "
-    "the --lora/--cache-salt namespace)."
+    "A prompt given as text (--prompt) or chat messages (--chat, --message) is turned into the ids "
+    "the engine prefills by the model's tokenizer: text with its special tokens (BOS where the "
+    "tokenizer adds one; --no-bos drops them), messages rendered by its chat template. Without "
+    "--tokenizer it is the tokenizer the model's instances publish in etcd, else the model's own "
+    "when --model is a known one (smollm2-135m), else the byte tokenizer of kvatlas's reference "
+    "models (UTF-8 bytes, BOS 256 first). For other engines pass the ids their tokenizer produced "
+    "with --tokens/--tokens-file. Block hashes follow the DESIGN contract (chained XXH3, seed "
+    "1337, or the --lora/--cache-salt namespace)."
 )
 
 
@@ -62,15 +71,17 @@ def register(subparsers: Any) -> None:
         "query", help="which instance holds the longest prefix of a prompt",
         description="Hash a prompt into blocks and count, per instance, how many leading blocks "
                     "it holds in the etcd index (one snapshot read). " + TOKENIZER_HELP)
-    query.add_argument("--model", required=True, help="model whose index to query")
-    src = query.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text (byte tokenizer, BOS first; see above)")
-    src.add_argument("--tokens", help="comma-separated token ids, e.g. 1,2,3 (uint32)")
-    src.add_argument("--tokens-file", metavar="FILE",
-                     help="file of token ids (comma/whitespace separated, or a JSON list); - = stdin")
+    query.add_argument("--model", required=True,
+                       help="model whose index to query (served name or alias)")
+    add_prompt_args(
+        query,
+        ("--tokens", {"help": "comma-separated token ids, e.g. 1,2,3 (uint32)"}),
+        ("--tokens-file", {"metavar": "FILE", "help": "file of token ids (comma/whitespace "
+                           "separated, or a JSON list); - = stdin"}))
     query.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                        help=f"block size in tokens (default {DEFAULT_BLOCK_SIZE})")
-    query.add_argument("--no-bos", action="store_true", help="do not prepend BOS to --prompt")
+    query.add_argument("--no-bos", action="store_true",
+                       help="encode --prompt without special tokens (no BOS)")
     query.add_argument("--lora", default=None, help="LoRA name (changes the hash namespace)")
     query.add_argument("--cache-salt", default=None, help="cache salt (changes the hash namespace)")
     query.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -155,15 +166,13 @@ def parse_tokens(text: str, source: str) -> list[int]:
     return out
 
 
-def prompt_tokens(args: argparse.Namespace) -> list[int]:
-    if args.prompt is not None:
-        try:
-            return ByteTokenizer().encode(args.prompt, add_bos=not args.no_bos)
-        except UnicodeEncodeError:
-            raise CLIError("--prompt is not valid UTF-8 (it contains a lone surrogate)") from None
+def given_tokens(args: argparse.Namespace) -> list[int] | None:
+    """The ids of ``--tokens``/``--tokens-file``; None when the prompt is text or chat."""
     if args.tokens is not None:
         return parse_tokens(args.tokens, "--tokens")
     path = args.tokens_file
+    if path is None:
+        return None
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -171,11 +180,17 @@ def prompt_tokens(args: argparse.Namespace) -> list[int]:
     return parse_tokens(text, f"--tokens-file {path}")
 
 
-async def fetch_table(args: argparse.Namespace, model: str) -> BlockTable:
-    """Every block key of ``model`` (keys only, one snapshot) as a ``BlockTable``."""
+async def fetch_index(args: argparse.Namespace, model: str,
+                      with_records: bool) -> tuple[BlockTable, list[InstanceRecord]]:
+    """Every block key of ``model`` (keys only, one snapshot) as a ``BlockTable``, and, when
+    asked, the instance records (which name each instance's tokenizer), in one etcd session."""
     layout = key_layout(args)
+    records: list[InstanceRecord] = []
     async with EtcdClient(cluster_etcd_settings(args)) as client:
         _, kvs = await client.get_prefix(layout.blocks_prefix(model), keys_only=True)
+        if with_records:
+            _, inst = await client.get_prefix(layout.instances_prefix())
+            records = parse_records(inst, layout.parse_instance)
     per_instance: dict[str, list[int]] = {}
     for kv in kvs:
         try:
@@ -186,7 +201,12 @@ async def fetch_table(args: argparse.Namespace, model: str) -> BlockTable:
     table = BlockTable()
     for instance, hashes in per_instance.items():
         table.apply_add(instance, hashes)
-    return table
+    return table, records
+
+
+async def fetch_table(args: argparse.Namespace, model: str) -> BlockTable:
+    """Every block key of ``model`` (keys only, one snapshot) as a ``BlockTable``."""
+    return (await fetch_index(args, model, with_records=False))[0]
 
 
 def query_result(table: BlockTable, tokens: list[int], block_size: int,
@@ -204,29 +224,50 @@ def query_result(table: BlockTable, tokens: list[int], block_size: int,
 
 
 def cmd_query(args: argparse.Namespace) -> int:
-    validate_model(args.model)
+    from tokenization import canonical_model
+    model = canonical_model(args.model)
+    validate_model(model)
     if not 1 <= args.block_size <= 65536:
         raise CLIError(f"--block-size must be within [1, 65536], got {args.block_size}")
-    tokens = prompt_tokens(args)
+    # Every local check (ids, messages, a given tokenizer) before etcd is contacted.
+    tokens = given_tokens(args)
+    messages = chat_messages(args)
+    tokenizer = load(args.tokenizer) if tokens is None and args.tokenizer else None
     seed = namespace_seed(args.lora, args.cache_salt)
-    table = asyncio.run(fetch_table(args, args.model))
+    table, records = asyncio.run(fetch_index(args, model, tokens is None and tokenizer is None))
+    how = ""
+    if tokens is None:
+        if tokenizer is None:
+            source = tokenizer_source(None, model, records, str(args.etcd))
+            logger.info("model %s: tokenizer %s", model, source)
+            tokenizer = load(source)
+        tokens = encode(tokenizer, args, messages, add_special_tokens=not args.no_bos)
+        how = _how(tokenizer, tokens, messages is not None)
     result = query_result(table, tokens, args.block_size, seed)
     if args.json:
         print(json.dumps(result))
         return 0
-    print_query(args, tokens, result)
+    print_query(args, model, tokens, how, result)
     return 0
 
 
-def print_query(args: argparse.Namespace, tokens: list[int], result: dict[str, Any]) -> None:
+def _how(tokenizer: Any, tokens: list[int], chat: bool) -> str:
+    """How the prompt became ids, for the table's title."""
+    what = "chat template of " if chat else ""
+    bos = ", BOS first" if tokens and tokens[0] == tokenizer.bos_id else ""
+    name = "byte" if tokenizer.kind == "byte" else Path(tokenizer.name).name or tokenizer.name
+    return f" ({what}the {name} tokenizer{bos})"
+
+
+def print_query(args: argparse.Namespace, model: str, tokens: list[int], how: str,
+                result: dict[str, Any]) -> None:
     out = console()
-    bos = " (BOS first)" if args.prompt is not None and tokens and tokens[0] == BOS_ID else ""
-    title = (f"model {args.model}: prompt of {len(tokens)} tokens{bos}, "
+    title = (f"model {model}: prompt of {len(tokens)} tokens{how}, "
              f"{result['prompt_blocks']} full blocks of {args.block_size}")
     rows = result["instances"]
-    out.print(title)
+    out.print(title, highlight=False)
     if not rows:
-        out.print(f"no blocks indexed for model {args.model}")
+        out.print(f"no blocks indexed for model {model}")
         return
     table = Table()
     for col in ("instance", "matched blocks", "matched tokens", "fraction"):

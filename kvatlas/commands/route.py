@@ -1,4 +1,10 @@
-"""``kvatlas route --prompt TEXT``: the router's decision for a prompt, without sending it."""
+"""``kvatlas route --prompt TEXT | --chat FILE | --message ROLE=TEXT...``: the router's decision for a
+prompt, without sending it.
+
+The router tokenizes the prompt with its model's tokenizer, as it does for a real request; with
+``--tokenizer`` the command encodes it here instead (``kvatlas.commands._prompt``) and sends the
+ids, to see what another tokenizer's ids would match.
+"""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +16,8 @@ from typing import Any
 import aiohttp
 from rich.console import Console
 from rich.table import Table
+
+from kvatlas.commands._prompt import add_prompt_args, chat_messages, encode, load
 
 DEFAULT_ROUTER = "http://127.0.0.1:8000"
 STATE_FILES = ("cluster.json", "state.json")
@@ -61,16 +69,30 @@ def _find_url(state: object) -> str | None:
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("route", help="show which prefill/decode the router would pick")
-    parser.add_argument("--prompt", required=True, help="prompt text")
+    add_prompt_args(parser, tokenizer_help=SEND_IDS_HELP)
     parser.add_argument("--model", default=None, help="model name (hash namespace)")
     parser.add_argument("--json", action="store_true", help="print the raw JSON decision")
     add_router_args(parser)
     parser.set_defaults(func=cmd_route)
 
 
-async def fetch_decision(url: str, prompt: str, model: str | None,
+SEND_IDS_HELP = ("encode the prompt here with this tokenizer (a directory, a .gguf file, an alias "
+                 "such as smollm2-135m, or 'byte') and send its token ids (default: send the "
+                 "text or messages; the router tokenizes them with its model's tokenizer)")
+
+
+def prompt_body(args: argparse.Namespace) -> dict[str, Any]:
+    """The prompt part of a request body: ``text``, ``messages``, or, with ``--tokenizer``,
+    the ``input_ids`` that tokenizer gives (CLIError for a bad prompt or tokenizer)."""
+    messages = chat_messages(args)
+    if args.tokenizer:
+        return {"input_ids": encode(load(args.tokenizer), args, messages)}
+    return {"messages": messages} if messages is not None else {"text": args.prompt}
+
+
+async def fetch_decision(url: str, body: dict[str, Any], model: str | None,
                          timeout: float) -> tuple[int, dict[str, Any]]:
-    body: dict[str, Any] = {"text": prompt}
+    body = dict(body)
     if model:
         body["model"] = model
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
@@ -79,6 +101,11 @@ async def fetch_decision(url: str, prompt: str, model: str | None,
                 return resp.status, await resp.json(content_type=None)
             except ValueError:
                 return resp.status, {"error": (await resp.text())[:200]}
+
+
+OPTIONAL_COLUMNS = (("index_blocks", "index blocks"), ("predicted_blocks", "predicted blocks"))
+"""Per-candidate figures a router may add (blocks the etcd index holds, blocks it predicts the
+instance holds from what it routed there); shown when present."""
 
 
 def render(decision: dict[str, Any], console: Console) -> None:
@@ -90,12 +117,16 @@ def render(decision: dict[str, Any], console: Console) -> None:
                   f"{decision.get('prompt_blocks')} blocks of {decision.get('block_size')}; "
                   f"policy {decision.get('policy', {}).get('prefill')}; index "
                   f"{decision.get('index', {}).get('state')}")
+    candidates = decision.get("candidates", [])
+    extra = [(k, title) for k, title in OPTIONAL_COLUMNS
+             if any(isinstance(c, dict) and k in c for c in candidates)]
     table = Table(title="prefill candidates (lowest cost wins)")
-    for col in ("instance", "matched blocks", "load", "cost", ""):
+    for col in ("instance", "matched blocks", *(t for _, t in extra), "load", "cost", ""):
         table.add_column(col, justify="left" if col == "instance" else "right")
-    for c in decision.get("candidates", []):
+    for c in candidates:
         chosen = "← chosen" if c["instance_id"] == p["instance_id"] else ""
-        table.add_row(c["instance_id"], str(c["matched_blocks"]), str(c["load"]),
+        table.add_row(c["instance_id"], str(c["matched_blocks"]),
+                      *(str(c.get(k, "-")) for k, _ in extra), str(c["load"]),
                       f"{c['cost']:g}", chosen)
     console.print(table)
 
@@ -104,10 +135,10 @@ def cmd_route(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvatlas.cli import CLIError
+    body = prompt_body(args)
     url = router_url(args)
     try:
-        status, decision = asyncio.run(fetch_decision(url, args.prompt, args.model,
-                                                      args.timeout))
+        status, decision = asyncio.run(fetch_decision(url, body, args.model, args.timeout))
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise CLIError(f"router at {url} not reachable: {exc!r}") from None
     if status != 200:

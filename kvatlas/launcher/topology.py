@@ -17,9 +17,13 @@ from index.keys import DEFAULT_PREFIX, KeyLayout, validate_model
 from kvatlas.commands._common import ETCD_PASSWORD_ENV
 from kvatlas.etcd_proc import COMPACTION_ARGS, free_port
 from router.config import ADMIN_TOKEN_ENV
+from tokenization import canonical_model
 from transfer.base import TRANSFER_KEY_ENV
 
 ROLES = ("etcd", "prefill", "decode", "router")
+DEFAULT_MODEL = "smollm2-135m"
+"""The model a cluster serves unless told otherwise (``--model``): a real instruct model whose
+answers are sentences, small enough (135M parameters) for a few CPU processes on a laptop."""
 ENGINE_MODES = ("pd", "monolithic")
 
 # Flags whose values are addresses (differ between networks) or secrets (differ per cluster).
@@ -167,8 +171,11 @@ class Topology:
     """Data-parallel ranks per prefill instance."""
     decode_tp: int = 1
     """Tensor-parallel ranks per decode instance."""
-    model: str = "tiny"
-    """Engine model config (the served model name too)."""
+    model: str = DEFAULT_MODEL
+    """What the engines serve (``kvatlas engine serve --model``): an alias such as the default
+    ``smollm2-135m`` (SmolLM2-135M-Instruct, the GGUF the Makefile installs, with its Hugging
+    Face tokenizer), a seeded config (``tiny``: the byte tokenizer, what tests run) or a
+    checkpoint name. The router serves its canonical name (``tokenization.canonical_model``)."""
     etcd_members: int = 1
     """Embedded etcd members (1 or 3); ignored when ``external_etcd`` is set."""
     external_etcd: str | None = None
@@ -192,6 +199,7 @@ class Topology:
 
     def __post_init__(self) -> None:
         validate_model(self.model)
+        validate_model(self.served_model)
         KeyLayout(prefix=self.etcd_client.prefix)
         for name in ("prefill", "decode", "prefill_tp", "prefill_dp", "decode_tp"):
             if not 1 <= getattr(self, name) <= 64:
@@ -209,6 +217,18 @@ class Topology:
             self.admin_token = secrets.token_hex(24)
         if self.transfer_key is None:
             self.transfer_key = secrets.token_hex(32)
+
+    @property
+    def served_model(self) -> str:
+        """The model name clients, the router and the instance records use (an alias's
+        canonical name, e.g. ``HuggingFaceTB/SmolLM2-135M-Instruct``)."""
+        return canonical_model(self.model)
+
+    def router_tokenizer(self) -> str | None:
+        """The router's ``--tokenizer``: the alias itself when the model is one (the router
+        loads the same bundled tokenizer the engines do, before the first request); else None,
+        and the router takes the tokenizer the instance records name."""
+        return self.model if self.served_model != self.model else None
 
     # --- names -----------------------------------------------------------------------------
 
@@ -306,9 +326,12 @@ class Topology:
         name = "router"
         port = net.port(name, "router")
         args = ["router", "serve", "--host", net.listen_host, "--port", str(port),
-                "--model", self.model, "--admin-token", str(self.admin_token),
+                "--model", self.served_model, "--admin-token", str(self.admin_token),
                 "--health-check-interval-secs", f"{self.health_interval:g}",
                 *self._etcd_args(net)]
+        tokenizer = self.router_tokenizer()
+        if tokenizer is not None:
+            args += ["--tokenizer", tokenizer]
         if self.engine_mode == "monolithic":
             # Monolithic stand-ins do not register in etcd: list them statically.
             for s in others:

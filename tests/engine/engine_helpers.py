@@ -9,7 +9,9 @@ from typing import Any
 
 from engine.sampling import SamplingParams
 from engine.scheduler import Request
-from engine.tokenizer import BOS_ID
+from tokenization import ByteTokenizer
+
+BOS_ID = ByteTokenizer().bos_id
 
 
 def shared_prefix_prompts(n: int, seed: int, n_bases: int = 6, base_len: tuple[int, int] = (8, 70),

@@ -13,7 +13,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from engine import protocol
 from engine.http_common import STATE_KEY
 from engine.serve_config import EngineServerConfig
 from engine.server import create_app
@@ -100,11 +99,11 @@ async def test_huge_bodies_are_refused_early(aiohttp_client: Any,
     c = await client_for(aiohttp_client)
     # a 5 MB text under the body limit: refused from its length, not tokenized byte by byte
     # (the tokenizer refuses to run, so a refusal that came after tokenizing would be a 500)
-    def never(text: str, add_bos: bool = True) -> list[int]:
+    def never(text: str, add_special_tokens: bool = True) -> list[int]:
         raise AssertionError("a text over the model's positions was tokenized")
 
     with monkeypatch.context() as m:
-        m.setattr(protocol.TOKENIZER, "encode", never)
+        m.setattr(c.server.app[STATE_KEY].tokenizer, "encode", never)
         r = await c.post("/generate", json={"text": "z" * 5_000_000})
         assert r.status == 400 and "the model takes at most" in (await r.json())["error"]
     # an over-long id list is refused before its elements are checked one by one

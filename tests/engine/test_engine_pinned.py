@@ -13,7 +13,7 @@ from engine.config import get_model_config
 from engine.model import Transformer
 from engine.runner import build_scheduler, run_to_completion
 from engine.scheduler import Request
-from engine.tokenizer import ByteTokenizer
+from tokenization import ByteTokenizer
 
 # computed with torch 2.13.0 (CPU) for get_model_config("tiny", seed=0)
 TINY_WEIGHTS_SHA256 = "ebf3ad84d48583d1e7a32debf43b4bdb214947399b8afe777e268e45a48f1446"
@@ -53,6 +53,7 @@ def test_tiny_weights_are_pinned(tiny: Transformer) -> None:
 def test_tiny_greedy_tokens_are_pinned(tiny: Transformer) -> None:
     tok = ByteTokenizer()
     sched = build_scheduler(tiny.cfg, 64, model=tiny)
-    reqs = [Request(f"p{i}", tok.encode(text), greedy(16)) for i, text in enumerate(GREEDY_16)]
+    reqs = [Request(f"p{i}", tok.encode(text, add_special_tokens=True), greedy(16))
+            for i, text in enumerate(GREEDY_16)]
     done = run_to_completion(sched, reqs)
     assert [done[f"p{i}"].output_ids for i in range(len(GREEDY_16))] == list(GREEDY_16.values())

@@ -19,11 +19,11 @@ from engine.sampling import (
     sample,
 )
 from engine.scheduler import Request
-from engine.tokenizer import ByteTokenizer
+from tokenization import ByteTokenizer
 
 TOK = ByteTokenizer()
-VICTIM = TOK.encode("an innocent request that shares the batch")
-OTHER = TOK.encode("a request with an odd temperature")
+VICTIM = TOK.encode("an innocent request that shares the batch", add_special_tokens=True)
+OTHER = TOK.encode("a request with an odd temperature", add_special_tokens=True)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_stop_string_caps() -> None:
 
 
 def _run_stream(text: str, stop: list[str]) -> tuple[str, str, bool]:
-    ts = TextStream(SamplingParams(stop=stop, ignore_eos=True))
+    ts = TextStream(SamplingParams(stop=stop, ignore_eos=True), TOK)
     out, stopped = "", False
     for b in text.encode():
         delta, stopped = ts.push(b)
@@ -132,7 +132,7 @@ def test_hold_back_releases_all_but_a_possible_stop_prefix() -> None:
     # each, so exactly that much is held back (the speed of this worst case is timed in
     # bench/engine.py, not here)
     stops = ["a" * 128 + "b" * 127 + chr(0x100 + i) for i in range(MAX_STOP_STRINGS)]
-    ts = TextStream(SamplingParams(stop=stops, ignore_eos=True))
+    ts = TextStream(SamplingParams(stop=stops, ignore_eos=True), TOK)
     n = 600
     emitted = ""
     for _ in range(n):

@@ -20,7 +20,7 @@ def pd_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
     started: list[LocalCluster] = []
 
     def make(**kw: object) -> LocalCluster:
-        topo = Topology(**{"prefill": 2, "decode": 1, "lease_ttl": LEASE_TTL,
+        topo = Topology(**{"prefill": 2, "decode": 1, "lease_ttl": LEASE_TTL, "model": "tiny",
                            "health_interval": HEALTH_INTERVAL, **kw})  # type: ignore[arg-type]
         cluster = LocalCluster(topo, tmp_path / f"run{len(started)}")
         started.append(cluster)

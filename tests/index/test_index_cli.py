@@ -124,7 +124,7 @@ async def test_query_bad_input_and_missing_prompt_in_a_real_process() -> None:
         run_cli("index", "query", "--model", "m"))
     assert "outside the uint32 range" in one_line_error(rc, err)
     # Missing prompt options are argparse's job: usage plus the error, exit 2.
-    assert rc2 == 2 and "one of the arguments --prompt --tokens --tokens-file is required" in err2
+    assert rc2 == 2 and "one of the arguments --prompt --tokens --tokens-file --chat --message is required" in err2
 
 
 async def test_etcd_unreachable_is_one_line_and_fast() -> None:
@@ -206,3 +206,71 @@ async def test_agent_command_indexes_and_stats_reports_then_sigterm_revokes(
             proc.kill()
             await proc.wait()
         await pub.close()
+
+
+async def test_query_chat_with_a_real_tokenizer(etcd: EtcdClient, layout: KeyLayout,
+                                                etcd_endpoint: str, key_prefix: str,
+                                                tmp_path) -> None:
+    """The ids an engine serving Qwen3 prefills for a chat (its template, then encoded without
+    special tokens), hashed and written as the engine's writer does, are what ``index query
+    --tokenizer qwen3 --message ...`` and ``--chat FILE`` look up."""
+    from tokenization import load_tokenizer
+
+    msgs = [{"role": "system", "content": "You are a careful assistant. " * 12},
+            {"role": "user", "content": "Grüße aus 東京: what is etcd?"}]
+    hashes = block_hashes(load_tokenizer("qwen3").encode_chat(msgs), 16)
+    session = LeaseSession(etcd, ttl=5)
+    writer = BlockWriter(session, layout, "qwen-model", "eng-q")
+    tasks = [asyncio.create_task(session.run()), writer.start()]
+    writer.add(None, hashes)
+    assert await writer.wait_synced(10)
+    try:
+        etcd_args = ("--etcd", etcd_endpoint, "--etcd-prefix", key_prefix)
+        chat = tmp_path / "chat.json"
+        chat.write_text(json.dumps(msgs))
+        by_flags = ("--message", f"system={msgs[0]['content']}",
+                    "--message", f"user={msgs[1]['content']}")
+        for prompt in (by_flags, ("--chat", str(chat))):
+            rc, out, err = await run_cli("index", "query", "--model", "qwen-model",
+                                         "--tokenizer", "qwen3", *prompt, "--json", *etcd_args)
+            assert rc == 0, err
+            got = json.loads(out)
+            assert got["prompt_blocks"] == len(hashes) >= 4
+            assert got["instances"][0]["matched_blocks"] == len(hashes)
+        # the byte tokenizer's ids of the same chat match nothing
+        rc, out, err = await run_cli("index", "query", "--model", "qwen-model", "--tokenizer",
+                                     "byte", *by_flags, "--json", *etcd_args)
+        assert rc == 0 and json.loads(out)["instances"][0]["matched_blocks"] == 0
+    finally:
+        await writer.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await session.revoke()
+
+
+@pytest.mark.parametrize("bad", ["missing", "not-a-tokenizer", "bad-chat", "bad-message"])
+async def test_bad_tokenizer_or_chat_is_one_line(bad: str, etcd_endpoint: str, key_prefix: str,
+                                                 tmp_path) -> None:
+    etcd_args = ("--etcd", etcd_endpoint, "--etcd-prefix", key_prefix)
+    prompt: tuple[str, ...] = ("--prompt", "hi")
+    tok = "qwen3"
+    if bad == "missing":
+        tok = str(tmp_path / "no-such-tokenizer")
+    elif bad == "not-a-tokenizer":
+        tok = str(tmp_path / "notes.txt")
+        (tmp_path / "notes.txt").write_text("hello")
+    elif bad == "bad-chat":
+        (tmp_path / "chat.json").write_text('{"role": "user"}')
+        prompt = ("--chat", str(tmp_path / "chat.json"))
+    else:
+        prompt = ("--message", "robot=hello")
+    for cmd in (("index", "query", "--model", "m", *etcd_args), ("route",)):
+        rc, _, err = await run_cli(*cmd, "--tokenizer", tok, *prompt)
+        line = one_line_error(rc, err)
+        if bad in ("missing", "not-a-tokenizer"):
+            assert tok in line, line
+        elif bad == "bad-chat":
+            assert "chat.json" in line and "list" in line, line
+        else:
+            assert "robot" in line, line

@@ -22,7 +22,7 @@ from kvatlas.launcher.state import ClusterState
 pytestmark = pytest.mark.timeout(120)
 
 # One prefill and one decode keep these quick; tests/faults/ runs the default two prefills.
-FAST = ["--prefill", "1", "--decode", "1"]
+FAST = ["--prefill", "1", "--decode", "1", "--model", "tiny"]  # the fast byte model
 
 
 def kvatlas(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:

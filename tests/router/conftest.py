@@ -48,11 +48,14 @@ def make_router(start_router: Any) -> Callable[..., Awaitable[RouterClient]]:
 
 @pytest.fixture
 async def register(etcd: Any, layout: Any) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
-    """Registers instance keys under leases; whatever is still registered is revoked after."""
+    """Registers instance keys under leases; whatever is still registered is revoked after.
+    A record that says nothing of its tokenizer names the byte tokenizer, as the reference
+    engine's do (pass ``"tokenizer": None`` for one that names none)."""
     from etcd_instances import Instance
     made: list[Instance] = []
 
     async def make(instance_id: str, record: dict[str, Any]) -> Instance:
+        record = {"tokenizer": "byte", **record}
         inst = await Instance(etcd, layout, instance_id, record).start()
         made.append(inst)
         return inst

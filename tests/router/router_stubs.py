@@ -12,6 +12,10 @@ from aiohttp import web
 from kvatlas.etcd_proc import free_port
 from router.app import RouterApp, create_app
 from router.config import RouterConfig
+from tokenization import ByteTokenizer
+
+encode_text = ByteTokenizer().encode_array
+"""The ids the reference engine prefills for a text prompt (BOS, then the UTF-8 bytes)."""
 
 
 class StubWorker:
@@ -144,6 +148,8 @@ def router_config(prefills: list[StubWorker], decodes: list[StubWorker],
                   **kw: Any) -> RouterConfig:
     kw.setdefault("retry_initial_backoff", 0.005)
     kw.setdefault("health_interval", 60.0)
+    # The stubs stand in for the reference engine, whose ids are the byte tokenizer's.
+    kw.setdefault("tokenizers", {None: "byte"})
     return RouterConfig(prefill=[(p.url, None) for p in prefills],
                         decode=[d.url for d in decodes], **kw)
 

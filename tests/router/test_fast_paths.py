@@ -6,16 +6,17 @@ import json
 import random
 
 from prometheus_client import generate_latest
+from router_stubs import encode_text
 
 from index.hashing import block_hashes
 from index.table import BlockTable
 from router.config import RouterConfig
 from router.errors import BadRequest
+from router.json_body import NOT_UTF8, load_json
 from router.kv_aware import KvAware
 from router.metrics import RouterMetrics
 from router.policy import PowerOfTwo, RouteContext, _sample_two
-from router.requests import NOT_UTF8, inject, load_json, parse_generate
-from router.tokenize import encode_text
+from router.requests import inject, parse_generate
 from tests.router.test_kv_aware import Clock, conversation, workers
 
 

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 from etcd_instances import wait_for
+from router_stubs import encode_text
 
 from index.etcd_index import EtcdBlockIndex
 from index.hashing import block_hashes
 from router.config import RouterConfig
-from router.tokenize import encode_text
 
 SYSTEM = "You are kvatlas, a careful assistant. Answer briefly and cite sources. " * 4
 
@@ -93,7 +93,8 @@ async def check_routing(start_router: Any, etcd_settings: Any, key_prefix: str,
 async def test_burst_sticks_before_events_arrive(start_router: Any, stubs: Any) -> None:
     prefills, (d,) = await stubs("prefill", 4), await stubs("decode")
     client = await start_router(RouterConfig(
-        prefill=[(p.url, None) for p in prefills], decode=[d.url], health_interval=60))
+        prefill=[(p.url, None) for p in prefills], decode=[d.url], health_interval=60,
+        tokenizers={None: "byte"}))
     prompt = SYSTEM + "burst"
     for _ in range(8):
         assert (await client.post("/generate", json={"text": prompt})).status == 200

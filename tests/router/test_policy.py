@@ -4,13 +4,14 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from router_stubs import encode_text
+
 from index.hashing import block_hashes
 from index.table import BlockTable
 from router.breaker import CircuitBreaker
 from router.config import RouterConfig
 from router.kv_aware import KvAware, Prediction
 from router.policy import PowerOfTwo, RoundRobin, RouteContext
-from router.tokenize import encode_text
 from router.workers import Worker
 
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from router_stubs import encode_text
 
 from index.hashing import block_hashes, namespace_seed
 from router.prompt_hashes import PromptHasher
-from router.tokenize import encode_text
 
 SEEDS = [namespace_seed(), namespace_seed("lora-a"), namespace_seed(None, "salt")]
 
