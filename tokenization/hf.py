@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import tokenizers
 from tokenizers.decoders import DecodeStream
 
@@ -39,6 +40,10 @@ CACHE_PIECES = 8192
 CACHE_CHARS = 32 << 20
 """Characters kept in the prefix cache, all pieces together."""
 _FIRST_POSITION = ("Prepend", "Metaspace")
+
+
+def _ids_array(ids: Sequence[int]) -> np.ndarray:
+    return np.asarray(ids, dtype="<u4")
 
 
 class HFTokenizer(Tokenizer):
@@ -75,10 +80,12 @@ class HFTokenizer(Tokenizer):
         self._add_bos = add_bos and self.bos_id is not None
         self._fingerprint: str | None = None
         self._lock = threading.Lock()
-        self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._pieces: OrderedDict[str, np.ndarray] = OrderedDict()
         self._cached_chars = 0
-        self._splitter, self._added_ids = self._piece_splitter(added)
-        self._wrap = self._special_wrap() if self._splitter is not None else None
+        self._splitter, added_ids = self._piece_splitter(added)
+        self._added_arrays = {t: _ids_array([i]) for t, i in added_ids.items()}
+        wrap = self._special_wrap() if self._splitter is not None else None
+        self._wrap = None if wrap is None else (_ids_array(wrap[0]), _ids_array(wrap[1]))
 
     # --- what the cache relies on ---------------------------------------------------------------
 
@@ -128,47 +135,63 @@ class HFTokenizer(Tokenizer):
         return self._fingerprint
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.encode_array(text, add_special_tokens).tolist()  # type: ignore[no-any-return]
+
+    def encode_array(self, text: str, add_special_tokens: bool = True) -> np.ndarray:
         try:
-            return self._encode(text, add_special_tokens)
+            ids = self._encode(text, add_special_tokens)
         except TypeError:
             # the Rust side refuses a str it cannot turn into UTF-8 (a lone surrogate) with a
             # bare TypeError: raise what the rules say (UnicodeEncodeError, a ValueError)
             text.encode("utf-8")
             raise
-
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if self._splitter is None or (add_special_tokens and self._wrap is None):
-            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        else:
-            ids = self._encode_pieces(text)
-            if add_special_tokens:
-                before, after = self._wrap  # type: ignore[misc]
-                ids = [*before, *ids, *after]
-        if add_special_tokens and self._add_bos and (not ids or ids[0] != self.bos_id):
-            ids = [self.bos_id, *ids]  # type: ignore[list-item]
+        if add_special_tokens and self._add_bos and (not len(ids) or ids[0] != self.bos_id):
+            ids = np.concatenate([_ids_array([self.bos_id]), ids])  # type: ignore[list-item]
         return ids
 
-    def _encode_pieces(self, text: str) -> list[int]:
-        parts = self._splitter.split(text)  # type: ignore[union-attr]
-        out: list[int] = []
-        pieces = self._pieces
-        for k, part in enumerate(parts):
-            if k % 2:  # an added token
-                out.append(self._added_ids[part])
-                continue
-            if not part:
-                continue
-            with self._lock:
-                ids = pieces.get(part)
-                if ids is not None:
-                    pieces.move_to_end(part)
-            if ids is None:
-                ids = tuple(self.backend.encode(part, add_special_tokens=False).ids)
-                self._remember(part, ids)
-            out.extend(ids)
-        return out
+    def encode_chat_array(self, messages: Sequence[Mapping[str, Any]], *,
+                          add_generation_prompt: bool = True, tools: list[Any] | None = None,
+                          **template_kwargs: Any) -> np.ndarray:
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                tools=tools, **template_kwargs)
+        return self.encode_array(text, add_special_tokens=False)
 
-    def _remember(self, part: str, ids: tuple[int, ...]) -> None:
+    def _encode(self, text: str, add_special_tokens: bool) -> np.ndarray:
+        if self._splitter is None or (add_special_tokens and self._wrap is None):
+            return _ids_array(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        chunks = self._pieces_of(text)
+        if add_special_tokens:
+            before, after = self._wrap  # type: ignore[misc]
+            chunks = [before, *chunks, after]
+        return np.concatenate(chunks) if chunks else _ids_array([])
+
+    def _pieces_of(self, text: str) -> list[np.ndarray]:
+        """The ids of ``text`` as chunks: one per added token and per piece between them, the
+        pieces from the cache where it has them (one lock for all the lookups)."""
+        parts = self._splitter.split(text)  # type: ignore[union-attr]
+        chunks: list[np.ndarray | None] = []
+        missing: list[tuple[int, str]] = []
+        added = self._added_arrays
+        pieces = self._pieces
+        with self._lock:
+            for k, part in enumerate(parts):
+                if k % 2:  # an added token
+                    chunks.append(added[part])
+                elif part:
+                    ids = pieces.get(part)
+                    if ids is None:
+                        missing.append((len(chunks), part))
+                    else:
+                        pieces.move_to_end(part)
+                    chunks.append(ids)
+        for at, part in missing:  # encoded outside the lock: other requests go on
+            ids = _ids_array(self.backend.encode(part, add_special_tokens=False).ids)
+            ids.flags.writeable = False  # shared by every request that meets this piece
+            self._remember(part, ids)
+            chunks[at] = ids
+        return chunks  # type: ignore[return-value]
+
+    def _remember(self, part: str, ids: np.ndarray) -> None:
         if len(part) > CACHE_CHARS // 4:
             return
         with self._lock:

@@ -74,3 +74,24 @@ def test_lone_surrogate_is_a_value_error() -> None:
     for tok in (ByteTokenizer(), load_tokenizer("qwen3")):
         with pytest.raises(ValueError):
             tok.encode("bad \ud800 text")
+
+
+@pytest.mark.parametrize("escape", ["{{ messages[0].__class__.__mro__ }}",
+                                    "{{ ''.__class__.__base__.__subclasses__() }}",
+                                    "{{ messages[0].content.__class__ }}",
+                                    "{% set l = loop %}{{ messages.__len__() }}",
+                                    "{{ messages.append(1) }}"])
+def test_templates_stay_sandboxed(tmp_path: Path, escape: str) -> None:
+    """The fast attribute lookups (dict keys, str methods, loop, namespace) leave the sandbox's
+    refusals as they are: a template reaching for internals or mutating its input fails, or
+    gets nothing (the sandbox's unsafe undefined renders empty), as it does in jinja's own."""
+    src = qwen3_tokenizer_dir()
+    (tmp_path / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(escape)
+    tok = load_hf_dir(tmp_path)
+    msgs = [{"role": "user", "content": "hi"}]
+    try:
+        assert tok.render_chat(msgs) == ""
+    except ChatTemplateError:
+        pass
+    assert msgs == [{"role": "user", "content": "hi"}]
