@@ -124,7 +124,8 @@ async def test_query_bad_input_and_missing_prompt_in_a_real_process() -> None:
         run_cli("index", "query", "--model", "m"))
     assert "outside the uint32 range" in one_line_error(rc, err)
     # Missing prompt options are argparse's job: usage plus the error, exit 2.
-    assert rc2 == 2 and "one of the arguments --prompt --tokens --tokens-file --chat --message is required" in err2
+    assert rc2 == 2 and ("one of the arguments --prompt --tokens --tokens-file --chat --message "
+                         "is required") in err2
 
 
 async def test_etcd_unreachable_is_one_line_and_fast() -> None:
