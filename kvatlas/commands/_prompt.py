@@ -20,8 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from index.errors import RecordError
-from index.record import InstanceRecord
+from index.record import InstanceRecord, RecordReader
 from kvatlas.cli import CLIError
 
 logger = logging.getLogger(__name__)
@@ -128,15 +127,11 @@ def record_sources(records: Iterable[InstanceRecord], model: str) -> dict[str, s
 
 
 def parse_records(kvs: Iterable[Any], instance_of: Any) -> list[InstanceRecord]:
-    """The instance records among etcd ``kvs`` that parse (the others are logged and left out)."""
-    out = []
-    for kv in kvs:
-        try:
-            out.append(InstanceRecord.from_json(kv.value, key=kv.key,
-                                                instance_id=instance_of(kv.key)))
-        except (RecordError, ValueError) as exc:
-            logger.info("instance record %r not read: %s", kv.key, exc)
-    return out
+    """The instance records among etcd ``kvs`` that parse (``RecordReader``: the others are
+    logged once and left out)."""
+    reader = RecordReader("kvatlas: instance record")
+    records = (reader.read(kv.key, kv.value, instance_of(kv.key)) for kv in kvs)
+    return [r for r in records if r is not None]
 
 
 def tokenizer_source(given: str | None, model: str, records: Iterable[InstanceRecord],

@@ -238,6 +238,17 @@ async def test_query_chat_with_a_real_tokenizer(etcd: EtcdClient, layout: KeyLay
             got = json.loads(out)
             assert got["prompt_blocks"] == len(hashes) >= 4
             assert got["instances"][0]["matched_blocks"] == len(hashes)
+        # without --tokenizer: the one the model's instance records name (as engines write it)
+        from index.record import InstanceRecord
+        qwen = load_tokenizer("qwen3")
+        record = InstanceRecord(instance_id="eng-q", role="prefill", model="qwen-model",
+                                url="http://127.0.0.1:1",
+                                tokenizer={"source": "qwen3", "fingerprint": qwen.fingerprint})
+        await etcd.put(layout.instance("eng-q"), record.to_json(), lease=session.lease_id)
+        rc, out, err = await run_cli("index", "query", "--model", "qwen-model", *by_flags,
+                                     "--json", *etcd_args)
+        assert rc == 0, err
+        assert json.loads(out)["instances"][0]["matched_blocks"] == len(hashes)
         # the byte tokenizer's ids of the same chat match nothing
         rc, out, err = await run_cli("index", "query", "--model", "qwen-model", "--tokenizer",
                                      "byte", *by_flags, "--json", *etcd_args)
