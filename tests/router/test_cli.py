@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from kvatlas.etcd_proc import free_port
 
@@ -59,3 +60,19 @@ async def test_serve_route_generate(stubs: Any, tmp_path: Path) -> None:
     finally:
         router.send_signal(signal.SIGINT)
         await asyncio.wait_for(router.wait(), 10)
+
+
+@pytest.mark.parametrize("flag", ["missing", "not-a-tokenizer", "MODEL=twice"])
+async def test_a_bad_tokenizer_flag_stops_the_router_with_one_line(flag: str,
+                                                                   tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    args = {"missing": ["--tokenizer", str(tmp_path / "nope")],
+            "not-a-tokenizer": ["--tokenizer", str(notes)],
+            "MODEL=twice": ["--tokenizer", "m=qwen3", "--tokenizer", "m=byte"]}[flag]
+    rc, out, err = await run_cli("router", "serve", "--port", "1", "--decode",
+                             "http://127.0.0.1:1", *args)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert {"missing": "nope", "not-a-tokenizer": "notes.txt",
+            "MODEL=twice": "given twice"}[flag] in lines[0], lines[0]
