@@ -114,3 +114,48 @@ async def test_index_and_predicted_hits_are_separate_series(stubs: Any,
     predicted = await client.metric_lines("kvatlas_router_predicted_hit_tokens_total")
     assert index and float(index[0].split()[-1]) == 0.0
     assert predicted and float(predicted[0].split()[-1]) > 0.0
+
+
+async def test_tokenizers_named_by_instance_records(start_router: Any, etcd_settings: Any,
+                                                    key_prefix: str, stubs: Any,
+                                                    register: Any) -> None:
+    """Without --tokenizer the router loads what its instances' records name; a record naming
+    another fingerprint is flagged; a model whose record names a path this host cannot read is
+    routed on load alone, loudly."""
+    from etcd_instances import wait_for
+
+    from router.config import RouterConfig
+
+    qwen = load_tokenizer("qwen3")
+    prefills, (d,) = await stubs("prefill", 3), await stubs("decode")
+    named = {"source": "qwen3", "fingerprint": qwen.fingerprint}
+    await register("p0", {"role": "prefill", "url": prefills[0].url, "model": "qwen-model",
+                          "tokenizer": named})
+    await register("p1", {"role": "prefill", "url": prefills[1].url, "model": "qwen-model",
+                          "tokenizer": {**named, "fingerprint": "0123456789abcdef"}})
+    await register("p2", {"role": "prefill", "url": prefills[2].url, "model": "lost-model",
+                          "tokenizer": {"source": "/no/such/tokenizer", "fingerprint": "x"}})
+    await register("d0", {"role": "decode", "url": d.url, "model": "qwen-model",
+                          "tokenizer": named})
+    client = await start_router(RouterConfig(etcd=etcd_settings, etcd_prefix=key_prefix,
+                                             health_interval=60))
+    body = {"model": "qwen-model", "text": "Grüße aus 東京", "return_token_ids": True}
+
+    async def loaded() -> Any:
+        resp = await client.post("/debug/route", json=body)
+        doc = await resp.json()
+        return resp.status == 200 and doc["token_ids"] == qwen.encode(body["text"])
+
+    await wait_for(loaded, timeout=20)
+    mismatch = await client.metric_lines('kvatlas_router_tokenizer_mismatch{instance="p1"')
+    assert mismatch and mismatch[0].endswith(" 1.0"), mismatch
+    assert not await client.metric_lines('kvatlas_router_tokenizer_mismatch{instance="p0"')
+
+    async def lost() -> Any:
+        return await client.metric_lines(
+            'kvatlas_router_untokenizable_models{model="lost-model"} 1')
+
+    await wait_for(lost, timeout=10)
+    resp = await client.post("/debug/route", json={"model": "lost-model", "text": "hi"})
+    doc = await resp.json()
+    assert resp.status == 200 and doc["load_only"], doc
