@@ -24,6 +24,7 @@ from engine.config import ModelConfig
 from engine.errors import BadRequest
 from engine.sampling import MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from tokenization.base import ChatTemplateError, Tokenizer
+from tokenization.chat import request_template_args
 
 DEFAULT_MAX_NEW_TOKENS = 128
 OPENAI_COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -131,35 +132,22 @@ def default_tokenizer() -> Tokenizer:
     return ByteTokenizer()
 
 
-def max_token_bytes(tok: Tokenizer) -> int | None:
-    """The most UTF-8 bytes of text one token of ``tok`` can stand for, when known: then a text
-    of ``b`` bytes has at least ``ceil(b / max_token_bytes)`` tokens, whatever else encoding adds.
-    The byte tokenizer: 1. Others: their ``max_token_bytes`` attribute, if they have one."""
-    if tok.kind == "byte":
-        return 1
-    bound = getattr(tok, "max_token_bytes", None)
-    return bound if isinstance(bound, int) and bound > 0 else None
-
-
 def encode_text(text: object, field: str, tok: Tokenizer | None = None, *,
                 max_positions: int | None = None) -> list[int]:
     """Token ids of ``text`` (``tok.encode(text, add_special_tokens=True)``). With
-    ``max_positions`` an over-long text is refused: first, where the tokenizer bounds the bytes
-    per token (``max_token_bytes``), from its length alone before anything is encoded (a huge
-    body costs no tokenizer work); then exactly, from its ids."""
+    ``max_positions`` an over-long text is refused: first from its length alone
+    (``tok.min_tokens``), before anything is encoded (a huge body costs no tokenizer work); then
+    exactly, from its ids."""
     tok = tok or default_tokenizer()
     if not isinstance(text, str):
         raise BadRequest(field, f"must be a string, got {type(text).__name__}")
     if not text:
         raise BadRequest(field, "must not be empty")
     _check_text(text, field)
-    per = max_token_bytes(tok) if max_positions is not None else None
-    if max_positions is not None and per is not None:
-        # chars <= UTF-8 bytes: the character count refuses a huge text without encoding it
-        for n in (len(text), len(text.encode("utf-8"))):
-            least = -(-n // per)
-            if least >= max_positions:
-                raise _too_long(least, field, max_positions, at_least=True)
+    if max_positions is not None:
+        least = tok.min_tokens(text)
+        if least >= max_positions:
+            raise _too_long(least, field, max_positions, at_least=True)
     try:
         ids = tok.encode(text, add_special_tokens=True)
     except ValueError as exc:
@@ -335,25 +323,15 @@ def parse_completion(body: dict[str, Any], model: ModelConfig, tok: Tokenizer | 
 
 
 def encode_messages(body: dict[str, Any], tok: Tokenizer) -> list[int]:
-    """The ids of a chat body's ``messages`` (its ``chat_template_kwargs`` passed to the
-    template, as SGLang and vLLM do); BadRequest naming the message or part the template or the
-    tokenizer refused."""
+    """The ids of a chat body's ``messages`` (its ``tools`` and ``chat_template_kwargs`` passed to
+    the template, as SGLang and vLLM do); BadRequest naming the message, part or field the
+    template or the tokenizer refused."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise BadRequest("messages", "must be a list of {role, content} objects")
-    if not messages:
-        raise BadRequest("messages", "must be a non-empty list of {role, content} objects")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        kwargs = {}
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise BadRequest("chat_template_kwargs", "must be an object")
-    reserved = {"messages", "add_generation_prompt", "tools"} & set(kwargs)
-    if reserved:
-        raise BadRequest("chat_template_kwargs", f"must not set {sorted(reserved)}: the engine "
-                                                 "sets them")
     try:
-        return tok.encode_chat(messages, **kwargs)
+        tools, kwargs = request_template_args(body)
+        return tok.encode_chat(messages, tools=tools, **kwargs)
     except ChatTemplateError as exc:
         raise BadRequest(exc.path, exc.reason) from None
     except (ValueError, TypeError) as exc:  # e.g. a lone surrogate the tokenizer cannot encode

@@ -47,7 +47,7 @@ from engine.runner import AsyncEngine, build_scheduler, load_model
 from engine.sampling import SamplingParams
 from engine.scheduler import RequestOutput, Scheduler
 from engine.serve_config import EngineServerConfig
-from tokenization.base import Tokenizer
+from tokenization import tokenizer_record
 
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
@@ -128,17 +128,9 @@ def max_prompt_tokens(st: EngineState) -> int:
     return min(st.model.max_prompt_tokens, pool.num_pages * pool.page_size)
 
 
-def tokenizer_info(tok: Tokenizer) -> dict[str, Any]:
-    """``tokenizer_record(tok)``: where the tokenizer came from and its fingerprint (what the
-    etcd instance record carries, so that a router can tell a mismatch)."""
-    from tokenization import tokenizer_record
-
-    return dict(tokenizer_record(tok))
-
-
 def server_info(st: EngineState) -> dict[str, Any]:
     cfg, m, sched = st.config, st.model, st.engine.scheduler
-    tok = tokenizer_info(st.tokenizer)
+    tok = tokenizer_record(st.tokenizer)
     return {
         "model_path": st.model_path, "tokenizer_path": tok["source"], "tokenizer": tok,
         "served_model_name": cfg.model_name, "host": cfg.host, "port": cfg.port,
@@ -183,7 +175,7 @@ def architectures(checkpoint: str | None) -> list[str] | None:
 async def get_model_info(request: web.Request) -> web.Response:
     st = state(request)
     spec = st.config.spec
-    tok = tokenizer_info(st.tokenizer)
+    tok = tokenizer_record(st.tokenizer)
     return web.json_response({
         "model_path": st.model_path, "tokenizer_path": tok["source"], "tokenizer": tok,
         "is_generation": True, "model_type": "kvatlas" if spec.seeded else spec.format,
@@ -274,7 +266,7 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         await engine.start()
         log.info("engine %s (%s) ready: %d KV pages of %d tokens, model_path %s, tokenizer %s",
                  cfg.model_name, cfg.mode, cfg.kv_pages, cfg.page_size, model_path,
-                 tokenizer_info(sched.tokenizer))
+                 tokenizer_record(sched.tokenizer))
         try:
             yield
         finally:

@@ -116,6 +116,19 @@ def _tokenizer(v: Any) -> str | dict[str, Any]:
     return v
 
 
+def named_tokenizer(value: Any) -> tuple[str | None, str | None] | None:
+    """(source, fingerprint) a record's ``tokenizer`` field names: a string is a source without a
+    fingerprint, an object has ``source`` and ``fingerprint`` (either may be missing: None).
+    None when it names no tokenizer (null, empty, or written before the field existed)."""
+    if isinstance(value, str):
+        return (value, None) if value else None
+    if isinstance(value, dict):
+        source, fp = value.get("source"), value.get("fingerprint")
+        return (source if isinstance(source, str) and source else None,
+                fp if isinstance(fp, str) and fp else None)
+    return None
+
+
 def _namespace(v: Any) -> HashNamespace:
     if not isinstance(v, dict):
         raise ValueError(f"must be an object or null, got {type(v).__name__}")

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from index.etcd import EtcdSettings
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_model
-from tokenization import TokenizerError, canonical_model
+from tokenization import BYTE, TokenizerError, can_load, canonical_model
 from tokenization.assets import KNOWN_NAMES, is_known
 
 ADMIN_TOKEN_ENV = "KVATLAS_ADMIN_TOKEN"
@@ -36,10 +36,6 @@ def check_url(url: str) -> str:
     return url.rstrip("/")
 
 
-BYTE_TOKENIZER = "byte"
-"""The tokenizer source naming the reference engine's byte tokenizer (BOS + UTF-8 bytes)."""
-
-
 def parse_tokenizer_flags(items: list[str]) -> dict[str | None, str]:
     """``--tokenizer`` values: ``PATH`` (the tokenizer of every model without its own) or
     ``MODEL=PATH``. An item that is itself an existing path is a path even with a ``=`` in it."""
@@ -61,14 +57,11 @@ def parse_tokenizer_flags(items: list[str]) -> dict[str | None, str]:
 def check_tokenizer_source(source: str) -> str:
     """``source`` when it can name a tokenizer here ("byte", a known alias, an existing path);
     TokenizerError naming it otherwise, at start-up rather than at the first request."""
-    if source == BYTE_TOKENIZER or is_known(source):
-        return source
-    path = Path(source).expanduser()
-    if not path.exists():
+    if not can_load(source):
         raise TokenizerError(source, "no such file or directory (give a directory with "
                                      "tokenizer.json, a .gguf file, 'byte' or an alias: "
                                      f"{', '.join(KNOWN_NAMES)})")
-    return str(path)
+    return source if source == BYTE or is_known(source) else str(Path(source).expanduser())
 
 
 def parse_bootstrap_port(text: str | int | None) -> int | None:

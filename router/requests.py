@@ -22,6 +22,8 @@ from router.limits import Limit, WorkerLimits
 from router.policy import prompt_hashes
 from router.rooms import new_room
 from tokenization import ChatTemplateError, Tokenizer
+from tokenization.base import check_messages
+from tokenization.chat import request_template_args
 
 GENERATE = "generate"
 COMPLETIONS = "completions"
@@ -92,10 +94,10 @@ def _text(value: Any, field: str, limit: Limit | None = None,
             except UnicodeEncodeError:
                 raise BadRequest(field, _SURROGATE) from None
         return NO_IDS
-    if limit is not None and tok.kind == "byte" and len(value) >= limit.value:
-        # The byte tokenizer gives BOS and at least one id a character: refused from the length
-        # alone, before encoding. (A real tokenizer merges characters: only its ids can tell.)
-        raise BadRequest(field, limit.prompt_reason(f"at least {len(value) + 1}"))
+    least = tok.min_tokens(value) if limit is not None else 0
+    if limit is not None and least > limit.value:
+        # refused from its length alone, before any tokenizer work
+        raise BadRequest(field, limit.prompt_reason(f"at least {least}"))
     try:
         ids = tok.encode_array(value)
     except UnicodeEncodeError:
@@ -111,31 +113,12 @@ def _chat(body: dict[str, Any], messages: list[Any], limit: Limit | None,
           tok: Tokenizer | None) -> np.ndarray:
     """The ids the engines prefill for ``messages``: the model's chat template, with the body's
     ``tools`` and ``chat_template_kwargs``, then encoded without special tokens."""
-    if not messages:
-        raise BadRequest("messages", "must be a non-empty list of {role, content} objects")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise BadRequest(f"messages[{i}]", f"must be an object, got {type(msg).__name__}")
-        role = msg.get("role")
-        if not isinstance(role, str) or not role:
-            raise BadRequest(f"messages[{i}].role", "must be a non-empty string")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None:
-        kwargs = {}
-    elif not isinstance(kwargs, dict):
-        raise BadRequest("chat_template_kwargs",
-                         f"must be an object, got {type(kwargs).__name__}")
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise BadRequest("tools", f"must be a list, got {type(tools).__name__}")
-    if tok is None:
-        return NO_IDS
-    kwargs = dict(kwargs)
-    generation = kwargs.pop("add_generation_prompt", True)
-    kwargs.pop("tools", None)
     try:
-        ids = tok.encode_chat_array(messages, add_generation_prompt=generation is not False,
-                                    tools=tools, **kwargs)
+        tools, kwargs = request_template_args(body)
+        if tok is None:
+            check_messages(messages)  # load-only: still refused as the engines would
+            return NO_IDS
+        ids = tok.encode_chat_array(messages, tools=tools, **kwargs)
     except ChatTemplateError as exc:
         raise BadRequest(exc.path, exc.reason) from None
     except UnicodeEncodeError:

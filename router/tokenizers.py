@@ -25,45 +25,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
-from router.config import BYTE_TOKENIZER, RouterConfig
+from index.record import named_tokenizer
+from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.requests import OFF_LOOP_BYTES, OFF_LOOP_BYTES_HF
-from tokenization import ByteTokenizer, Tokenizer, TokenizerError, canonical_model, load_tokenizer
-from tokenization.assets import is_known
+from tokenization import BYTE, Tokenizer, TokenizerError, can_load, canonical_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 NO_MODEL = "-"
 """The ``model`` label of requests and workers that name no model."""
 _MAX_NAMES = 1024
-
-
-def record_tokenizer(record: dict[str, Any]) -> tuple[str | None, str | None] | None:
-    """(source, fingerprint) an instance record names; None when it names no tokenizer."""
-    value = record.get("tokenizer") if record else None
-    if value == BYTE_TOKENIZER:
-        return BYTE_TOKENIZER, None
-    if isinstance(value, str) and value:
-        return value, None
-    if isinstance(value, dict):
-        source, fp = value.get("source"), value.get("fingerprint")
-        return (source if isinstance(source, str) and source else None,
-                fp if isinstance(fp, str) and fp else None)
-    return None
-
-
-def loadable_here(source: str) -> bool:
-    """Whether this host can load ``source`` without asking anyone: "byte", an alias of an
-    installed asset, or a path it can read."""
-    if source == BYTE_TOKENIZER or is_known(source):
-        return True
-    try:
-        return Path(source).exists()
-    except OSError:
-        return False
 
 
 class Tokenizers:
@@ -149,7 +123,7 @@ class Tokenizers:
     def _load(self, source: str) -> Tokenizer:
         tok = self._by_source.get(source)
         if tok is None:
-            tok = ByteTokenizer() if source == BYTE_TOKENIZER else load_tokenizer(source)
+            tok = load_tokenizer(source)
             _ = tok.fingerprint  # computed here, in the thread, not on the event loop
             self._by_source[source] = tok
         return tok
@@ -199,7 +173,7 @@ class Tokenizers:
         model = worker.model
         if not self._started:
             return  # start() looks at every worker once the flags' tokenizers are loaded
-        named = record_tokenizer(worker.record)
+        named = named_tokenizer(worker.record.get("tokenizer")) if worker.record else None
         if named is None or named[0] is None:
             self._records.pop(iid, None)
             self._clear_mismatch(iid)
@@ -215,7 +189,7 @@ class Tokenizers:
         if source in self._failed:
             self._untokenizable(model, self._failed[source])
             return
-        if not loadable_here(source):
+        if not can_load(source):
             self._untokenizable(model, f"instance {iid}'s record names {source!r}, which is "
                                        "not a path this host can read")
             return
@@ -250,8 +224,8 @@ class Tokenizers:
         ours = self.get(model)
         if ours is None:
             return
-        if fp is None and source == BYTE_TOKENIZER:
-            fp = self._load(BYTE_TOKENIZER).fingerprint
+        if fp is None and source == BYTE:
+            fp = self._load(BYTE).fingerprint
         if fp is None or fp == ours.fingerprint:
             self._clear_mismatch(iid)
             return

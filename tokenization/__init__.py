@@ -17,10 +17,11 @@ from tokenization.base import (
     TokenizerError,
 )
 from tokenization.byte import ByteTokenizer
-from tokenization.loading import BYTE, load_tokenizer
+from tokenization.loading import BYTE, can_load, load_tokenizer
 
 __all__ = ["ALIASES", "BYTE", "SMOLLM2_NAME", "ByteTokenizer", "ChatTemplateError", "Detokenizer",
-           "TokenizationError", "Tokenizer", "TokenizerError", "canonical_model", "load_tokenizer",
+           "TokenizationError", "Tokenizer", "TokenizerError", "can_load", "canonical_model",
+           "load_tokenizer",
            "tokenizer_record"]
 
 

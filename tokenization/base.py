@@ -76,6 +76,15 @@ class Tokenizer(ABC):
     """Ids a model must never sample (BOS, PAD of the byte tokenizer); may be empty."""
     max_length: int | None
     """``model_max_length`` of the tokenizer config, when it names a real one."""
+    max_token_bytes: int | None = None
+    """The most UTF-8 bytes of input one id can stand for, when known (an over-estimate is
+    safe): what :meth:`min_tokens` bounds a text's ids with."""
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound of ``len(encode(text))`` from the text's length alone, for refusing a
+        huge prompt before any tokenizer work (characters <= UTF-8 bytes). 0 when unknown."""
+        per = self.max_token_bytes
+        return -(-len(text) // per) if per else 0
 
     @property
     @abstractmethod

@@ -49,6 +49,9 @@ class ByteTokenizer(Tokenizer):
     max_token_bytes = 1
     """One id stands for at most one UTF-8 byte."""
 
+    def min_tokens(self, text: str) -> int:
+        return len(text) + 1  # BOS, then at least one id a character
+
     @property
     def fingerprint(self) -> str:
         return hashlib.sha256(_TEMPLATE_VERSION.encode()).hexdigest()[:16]

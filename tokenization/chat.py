@@ -84,6 +84,26 @@ def compile_template(source: str) -> jinja2.Template:
         raise ChatTemplateError("chat_template", f"does not parse: {exc}") from None
 
 
+def request_template_args(body: Mapping[str, Any]) -> tuple[list[Any] | None, dict[str, Any]]:
+    """(``tools``, ``chat_template_kwargs``) of an OpenAI chat body, as the template receives
+    them: the engine and the router read a request with this one function, so that they render
+    the same text. ChatTemplateError names a field of the wrong shape, or a kwarg that would
+    set what the request's own fields set."""
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ChatTemplateError("tools", f"must be a list, got {type(tools).__name__}")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return tools, {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ChatTemplateError("chat_template_kwargs", "must be an object")
+    reserved = RESERVED & set(kwargs)
+    if reserved:
+        raise ChatTemplateError("chat_template_kwargs", f"must not set {sorted(reserved)}: the "
+                                                        "request's own fields set them")
+    return tools, kwargs
+
+
 class ChatTemplate:
     """One model's template and the special tokens it may use."""
 

@@ -19,7 +19,6 @@ keyed by the file's path, size and mtime; later loads read that.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tokenization.assets import cache_entry
 from tokenization.base import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
@@ -58,14 +58,11 @@ def byte_alphabet() -> dict[int, str]:
 
 
 def _cache_dir(path: Path) -> Path | None:
-    env = os.environ.get("KVATLAS_CACHE_DIR")
-    if env == "":
+    entry = cache_entry(path, VERSION)
+    if entry is None:
         return None
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "kvatlas"
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{VERSION}"
-                         .encode()).hexdigest()[:16]
-    return root / "tokenizers" / f"{path.stem}-{key}"
+    entry_path = Path(entry)
+    return entry_path.parent / "tokenizers" / entry_path.name
 
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:

@@ -76,7 +76,6 @@ class HFTokenizer(Tokenizer):
         longest = max((len(t.encode("utf-8")) for t in vocab), default=1)
         # A normalizer may compose characters (NFC: up to 3 UTF-8 bytes into 1): bound that.
         self.max_token_bytes = longest * (3 if backend.normalizer is not None else 1)
-        """The most UTF-8 bytes of input one id can stand for (an over-estimate is safe)."""
         self._add_bos = add_bos and self.bos_id is not None
         self._fingerprint: str | None = None
         self._lock = threading.Lock()

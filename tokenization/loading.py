@@ -49,6 +49,19 @@ def load_tokenizer(source: str) -> Tokenizer:
                          f"{', '.join(sorted(assets.ALIASES))})")
 
 
+def can_load(source: str) -> bool:
+    """Whether ``source`` names a tokenizer this host has, without loading it: ``byte``, an
+    alias of an installed asset, or a path that exists."""
+    from tokenization import assets
+
+    if source == BYTE or assets.is_known(source):
+        return True
+    try:
+        return Path(source).expanduser().exists()
+    except OSError:
+        return False
+
+
 def _gguf(path: Path) -> Tokenizer:
     from tokenization.gguf import load_gguf_tokenizer
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -20,34 +19,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tokenization.assets import cache_entry
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
 log = logging.getLogger(__name__)
 
-ENV = "KVATLAS_CACHE_DIR"
 VERSION = "1"
 """Bumped when what is cached changes (names, layout, unpermuting)."""
 
 
-def cache_dir() -> Path | None:
-    """The cache directory, None when disabled (``KVATLAS_CACHE_DIR=""``)."""
-    env = os.environ.get(ENV)
-    if env == "":
-        return None
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvatlas"
-
-
 def cache_file(source: Path) -> Path | None:
     """The cache file for ``source`` (None when the cache is disabled)."""
-    root = cache_dir()
-    if root is None:
-        return None
-    st = source.stat()
-    key = hashlib.sha256(f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{VERSION}"
-                         .encode()).hexdigest()[:16]
-    return root / f"{source.stem}-{key}.safetensors"
+    entry = cache_entry(source, VERSION)
+    return None if entry is None else Path(entry + ".safetensors")
 
 
 def read_metadata(path: Path | None) -> dict[str, str] | None:

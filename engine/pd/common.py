@@ -24,6 +24,7 @@ from engine.ranks.uplink import UplinkServer
 from engine.runner import load_model
 from engine.scheduler import Scheduler
 from index.rooms import ROUTER_ROOMS
+from tokenization import tokenizer_record
 from transfer import KVLayout
 from transfer.layout import dtype_from_name
 
@@ -69,10 +70,8 @@ def served_fields(cfg: PDConfig, sched: Scheduler) -> dict[str, Any]:
     name): ``tokenizer`` (``tokenization.tokenizer_record``: its source and fingerprint, so
     that a router can tell whether it tokenizes as this engine does), ``context_length``, and
     the longest prompt and body it takes (as ``/server_info`` reports them)."""
-    from tokenization import tokenizer_record
-
     e, m = cfg.engine, cfg.engine.model_config
-    return {"tokenizer": dict(tokenizer_record(sched.tokenizer)),
+    return {"tokenizer": tokenizer_record(sched.tokenizer),
             "context_length": m.max_positions,
             "max_prompt_tokens": min(m.max_prompt_tokens, e.kv_pages * e.page_size),
             "max_body_bytes": e.max_request_bytes}

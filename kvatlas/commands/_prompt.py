@@ -20,15 +20,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from index.record import InstanceRecord, RecordReader
+from index.record import InstanceRecord, RecordReader, named_tokenizer
 from kvatlas.cli import CLIError
+from tokenization import BYTE
 
 logger = logging.getLogger(__name__)
 
 CHAT_ROLES = ("system", "user", "assistant")
 """Roles ``--message`` accepts (every chat template knows these three)."""
 
-BYTE = "byte"
 
 TOKENIZER_HELP = ("tokenizer: a tokenizer directory, a .gguf file, a model alias (smollm2-135m) "
                   "or 'byte' (default: the one the cluster's instances of the model publish in "
@@ -115,14 +115,10 @@ def record_sources(records: Iterable[InstanceRecord], model: str) -> dict[str, s
     of ``model``: what the cluster's engines say they tokenize with."""
     found: dict[str, str] = {}
     for rec in records:
-        if rec.model != model or rec.tokenizer is None:
-            continue
-        tok = rec.tokenizer
-        source = tok.get("source") if isinstance(tok, dict) else tok
-        if not isinstance(source, str) or not source:
-            continue
-        fingerprint = tok.get("fingerprint") if isinstance(tok, dict) else None
-        found.setdefault(str(fingerprint or source), source)
+        named = named_tokenizer(rec.tokenizer) if rec.model == model else None
+        if named is not None and named[0] is not None:
+            source, fingerprint = named
+            found.setdefault(fingerprint or source, source)
     return found
 
 
