@@ -168,6 +168,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "hash_namespace": _opt(_namespace),
     "started_at": _opt(_number),
     "ready": _with_default(_bool, True),
+    "healthy": _with_default(_bool, True),
     "source": _opt(_str),
     "tokenizer": _opt(_tokenizer),
     "engine": _with_default(_str, DEFAULT_ENGINE),
@@ -214,6 +215,9 @@ class InstanceRecord:
     """Start time (Unix seconds) of the writing process: a new value is a new process."""
     ready: bool = True
     """False: listed but never chosen (e.g. ranks still registering)."""
+    healthy: bool = True
+    """False: the engine stopped answering its health check (a sidecar's verdict); never chosen
+    while false. Kept apart from ``ready`` so that operators see which of the two it is."""
     source: str | None = None
     """Who wrote it when not the instance itself: ``"kv-events"`` for the index agent."""
     tokenizer: str | dict[str, Any] | None = None

@@ -114,7 +114,7 @@ def parse_instance_record(instance_id: str, raw: bytes, reader: RecordReader | N
     model = canonical_model(rec.model) if rec.model else None
     return {"instance_id": instance_id, "role": role, "url": url, "model": model,
             "bootstrap_host": rec.bootstrap_host or None, "bootstrap_port": rec.bootstrap_port,
-            "ready": rec.ready, "raw": rec.to_dict(), "record": rec}
+            "ready": rec.ready and rec.healthy, "raw": rec.to_dict(), "record": rec}
 
 
 _READER = RecordReader()
