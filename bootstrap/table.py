@@ -103,8 +103,10 @@ class RankEntry:
     rank_ip: str
     rank_port: int
     registered_at: float
-    attn_dp_rank: int
-    system_dp_rank: int
+    attn_dp_rank: int | None
+    """None where unknown: a table read from another server (a sidecar polling SGLang's) learns
+    only each cell's address."""
+    system_dp_rank: int | None
 
     def address(self) -> dict[str, Any]:
         """SGLang's PrefillRankInfo."""

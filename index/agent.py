@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -372,26 +373,42 @@ class IndexAgent:
         }
 
 
-def counters_doc(model: str, ingestor: InstanceIngestor, writer: BlockWriter,
-                 subscriber: KVEventSubscriber | None = None) -> dict[str, Any]:
+def counters_doc(model: str, ingestor: InstanceIngestor | Sequence[InstanceIngestor],
+                 writer: BlockWriter,
+                 subscriber: KVEventSubscriber | Sequence[KVEventSubscriber] | None = None
+                 ) -> dict[str, Any]:
     """The stats-key document of one ingesting instance (``kvatlas index stats`` reads it).
 
-    For any process that ingests KV events into a ``BlockWriter`` (this agent, or an engine
-    indexing its own cache through ``WriterIndex``): pass it as the source of a
-    ``StatsPublisher``, e.g. ``lambda: counters_doc(model, ingestor, writer)``.
+    For any process that ingests KV events into a ``BlockWriter`` (this agent, a sidecar, or an
+    engine indexing its own cache through ``WriterIndex``): pass it as the source of a
+    ``StatsPublisher``, e.g. ``lambda: counters_doc(model, ingestor, writer)``. Several
+    ingestors (one per attention-DP rank, each its own event stream) are summed; ``state`` is
+    the first one not ``synced``, and ``last_seq`` is per rank when there are several.
     """
-    st = ingestor.stats
+    ingestors = [ingestor] if isinstance(ingestor, InstanceIngestor) else list(ingestor)
+    stats = [i.stats for i in ingestors]
+    rejected: Counter[str] = Counter()
+    for st in stats:
+        rejected.update(st.rejected)
+    states = [i.state for i in ingestors]
     doc: dict[str, Any] = {
-        "instance_id": ingestor.instance, "model": model, "source": SOURCE,
-        "state": ingestor.state, "last_seq": st.last_seq, "batches": st.batches,
-        "applied": st.applied, "rejected": dict(st.rejected), "gaps": st.gaps,
-        "replays": st.replays, "clears": st.clears, "restarts": st.restarts,
+        "instance_id": ingestors[0].instance, "model": model, "source": SOURCE,
+        "state": next((s for s in states if s != "synced"), states[0]),
+        "last_seq": stats[0].last_seq if len(stats) == 1 else [st.last_seq for st in stats],
+        "batches": sum(st.batches for st in stats), "applied": sum(st.applied for st in stats),
+        "rejected": dict(rejected), "gaps": sum(st.gaps for st in stats),
+        "replays": sum(st.replays for st in stats), "clears": sum(st.clears for st in stats),
+        "restarts": sum(st.restarts for st in stats),
         "blocks": len(writer), "writer_state": writer.state, "pending": writer.pending,
         "write_lag_s": round(writer.lag, 3),
     }
     if subscriber is not None:
-        doc["malformed"] = dict(subscriber.malformed)
-        doc["received"] = subscriber.received
+        subs = [subscriber] if isinstance(subscriber, KVEventSubscriber) else list(subscriber)
+        malformed: Counter[str] = Counter()
+        for sub in subs:
+            malformed.update(sub.malformed)
+        doc["malformed"] = dict(malformed)
+        doc["received"] = sum(sub.received for sub in subs)
     return doc
 
 

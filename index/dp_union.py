@@ -4,9 +4,12 @@ own engine-hash map) into a :class:`DPUnionIndex` view, which writes to the one 
 when the first group gains a block or the last one drops it."""
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 from index.block_index import GPU, BlockIndex
+from index.events.ingest import InstanceIngestor
+from index.events.subscriber import KVEventSubscriber, SubscriberConfig
 
 
 class DPUnion:
@@ -59,3 +62,22 @@ class DPUnionIndex(BlockIndex):
 
     def instances(self) -> set[str]:
         return self.union.target.instances()
+
+
+async def subscribe_dp_ranks(union: DPUnion, instance_id: str,
+                             sources: Sequence[tuple[int, SubscriberConfig]], block_size: int,
+                             stack: contextlib.AsyncExitStack
+                             ) -> list[tuple[InstanceIngestor, KVEventSubscriber]]:
+    """One subscriber and ingestor per (DP rank, event source) into ``union``'s view of that
+    rank; each closed with ``stack`` (registered before it starts: a bind that fails still
+    closes its socket). Used by a prefill leader for its other DP groups and by a sidecar for
+    every attention-DP rank of a foreign engine (SGLang publishes rank r on port + r)."""
+    started = []
+    for dp, config in sources:
+        ingestor = InstanceIngestor(union.view(dp), instance_id, block_size=block_size,
+                                    replay=config.replay_endpoint is not None)
+        sub = KVEventSubscriber(config, ingestor)
+        stack.push_async_callback(sub.close)
+        await sub.start()
+        started.append((ingestor, sub))
+    return started

@@ -104,6 +104,16 @@ class PDConfig:
                                                 or self.advertise_host in WILDCARDS):
             raise ValueError(f"--advertise-host must be a host peers can dial, got "
                              f"{self.advertise_host!r}")
+        if self.engine.kv_events is not None:
+            # Standalone, as SGLang runs: the instance publishes its KV events and a sidecar
+            # beside it indexes them. With --etcd it indexes its own blocks instead.
+            if self.engine.mode != "prefill":
+                raise ValueError("--kv-events applies to prefill instances (a decode's cache "
+                                 "is not indexed)")
+            if self.etcd is not None:
+                raise ValueError("--kv-events and --etcd exclude each other: with --etcd the "
+                                 "prefill indexes its own blocks in etcd; --kv-events publishes "
+                                 "them for a sidecar (kvatlas sidecar) and needs no etcd")
         if self.instance_id is None:
             self.instance_id = f"{self.engine.mode}-{uuid.uuid4().hex[:8]}"
         validate_instance_id(self.instance_id)

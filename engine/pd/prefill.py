@@ -40,11 +40,12 @@ from engine.ranks.replica import ReplicatedScheduler
 from engine.ranks.uplink import UplinkServer
 from engine.runner import AsyncEngine
 from index.agent import WriterIndex
-from index.dp_union import DPUnion
+from index.dp_union import DPUnion, subscribe_dp_ranks
+from index.events.endpoints import offset_endpoint
 from index.events.feed import EventFeed
 from index.events.ingest import InstanceIngestor
 from index.events.publisher import KVEventPublisher, PublisherConfig
-from index.events.subscriber import KVEventSubscriber, SubscriberConfig
+from index.events.subscriber import SubscriberConfig
 from index.keys import KeyLayout
 from index.writer import BlockWriter
 from transfer import KVSender, TensorPageSource, TransferError, create_sender
@@ -287,13 +288,19 @@ async def start_prefill(app: web.Application, stack: contextlib.AsyncExitStack) 
     # in use) has no session to close.
     session = aiohttp.ClientSession()
     stack.push_async_callback(session.close)
-    if info.dp_rank > 0 and len(ranks.event_endpoints) > info.dp_rank:
-        publisher = KVEventPublisher(PublisherConfig(
+    e = cfg.engine
+    if e.kv_events is not None:
+        # Standalone (no etcd), as SGLang publishes: each DP group on the endpoint's port + its
+        # DP rank (and the replay's), for the sidecar beside the instance to index.
+        sink = await start_publisher(stack, PublisherConfig(
+            endpoint=offset_endpoint(e.kv_events, info.dp_rank),
+            replay_endpoint=(None if e.kv_events_replay is None
+                             else offset_endpoint(e.kv_events_replay, info.dp_rank)),
+            topic=e.kv_events_topic))
+    elif info.dp_rank > 0 and len(ranks.event_endpoints) > info.dp_rank:
+        sink = await start_publisher(stack, PublisherConfig(
             endpoint=ranks.event_endpoints[info.dp_rank] or "",
             replay_endpoint=ranks.replay_endpoints[info.dp_rank]))
-        await publisher.start()
-        stack.push_async_callback(publisher.close)
-        sink = publisher.drain
     engine = AsyncEngine(replica, event_sink=sink)  # type: ignore[arg-type]
     _, rank_port = sender.rank_address
     http_port = int(ranks.dp_urls[0].rsplit(":", 1)[1]) if ranks.dp_urls else None
@@ -311,6 +318,14 @@ async def start_prefill(app: web.Application, stack: contextlib.AsyncExitStack) 
     stack.push_async_callback(close_sender)
     log.info("prefill %s rank %s ready: KV sender %s, bootstrap %s:%d", cfg.instance_id,
              info.name, sender.endpoint, cfg.engine.host, bport)
+
+
+async def start_publisher(stack: contextlib.AsyncExitStack, config: PublisherConfig) -> Any:
+    """A KV-event publisher closed with ``stack``; returns its sink for the engine."""
+    publisher = KVEventPublisher(config)
+    stack.push_async_callback(publisher.close)
+    await publisher.start()
+    return publisher.drain
 
 
 async def start_bootstrap(cfg: PDConfig, ranks: RankContext, bport: int,
@@ -353,17 +368,11 @@ async def start_bootstrap(cfg: PDConfig, ranks: RankContext, bport: int,
 async def subscribe_dp_groups(cfg: PDConfig, ranks: RankContext, union: DPUnion,
                               instance_id: str, stack: contextlib.AsyncExitStack) -> None:
     """World rank 0: index the other DP groups' prefix caches too (their KV events)."""
-    for dp in range(1, len(ranks.event_endpoints)):
-        endpoint = ranks.event_endpoints[dp]
-        if endpoint is None:
-            continue
-        replay = ranks.replay_endpoints[dp] if dp < len(ranks.replay_endpoints) else None
-        ingestor = InstanceIngestor(union.view(dp), instance_id,
-                                    block_size=cfg.engine.page_size, replay=replay is not None)
-        sub = KVEventSubscriber(SubscriberConfig(endpoint=endpoint, replay_endpoint=replay),
-                                ingestor)
-        await sub.start()
-        stack.push_async_callback(sub.close)
+    sources = [(dp, SubscriberConfig(
+        endpoint=endpoint,
+        replay_endpoint=ranks.replay_endpoints[dp] if dp < len(ranks.replay_endpoints) else None))
+        for dp, endpoint in enumerate(ranks.event_endpoints) if dp > 0 and endpoint is not None]
+    await subscribe_dp_ranks(union, instance_id, sources, cfg.engine.page_size, stack)
 
 
 def create_prefill_app(cfg: PDConfig, ranks: RankContext | None = None) -> web.Application:

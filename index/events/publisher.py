@@ -114,11 +114,13 @@ class KVEventPublisher:
         pub.setsockopt(zmq.LINGER, 500)
         if is_ipv6(cfg.endpoint):
             pub.setsockopt(zmq.IPV6, 1)
+        # Kept before binding: a bind that fails leaves it for close(), whose context term
+        # would otherwise wait forever on an unclosed socket.
+        self._pub = pub
         if publisher_binds(cfg.endpoint):
             pub.bind(bindable(cfg.endpoint))
         else:
             pub.connect(connectable(cfg.endpoint))
-        self._pub = pub
         if cfg.replay_endpoint is not None:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
@@ -127,8 +129,8 @@ class KVEventPublisher:
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             if is_ipv6(cfg.replay_endpoint):
                 router.setsockopt(zmq.IPV6, 1)
-            router.bind(bindable(cfg.replay_endpoint))
             self._router = router
+            router.bind(bindable(cfg.replay_endpoint))
             self._replay_task = asyncio.get_running_loop().create_task(
                 self._serve_replay(), name="kv-events-replay")
         log.info("KV events: publishing on %s%s", cfg.endpoint,

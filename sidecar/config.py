@@ -1,0 +1,191 @@
+"""The sidecar's one config dataclass (``kvatlas sidecar`` flags)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from bootstrap.config import DEFAULT_PORT as BOOTSTRAP_PORT
+from index.etcd import EtcdSettings
+from index.events.endpoints import offset_endpoint
+from index.events.subscriber import SubscriberConfig
+from index.hashing import DEFAULT_BLOCK_SIZE
+from index.keys import DEFAULT_PREFIX, KeyLayout, validate_instance_id, validate_model
+from index.record import DECODE, PREFILL
+
+ROLES = (PREFILL, DECODE)
+
+
+def http_base(url: str, flag: str) -> tuple[str, str, int]:
+    """(normalized base URL, host, port) of an ``http(s)://HOST:PORT`` flag; ValueError naming
+    ``flag`` otherwise."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{flag} must be http(s)://HOST:PORT, got {url!r}")
+    if parts.path.strip("/") or parts.query:
+        raise ValueError(f"{flag} must be a base URL without a path, got {url!r}")
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise ValueError(f"{flag} has an invalid port: {url!r}") from None
+    host = parts.hostname
+    shown = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{shown}:{port}", host, port
+
+
+@dataclass
+class SidecarConfig:
+    """One sidecar: one foreign engine instance."""
+
+    instance_id: str
+    """The instance id routers and the block index know the engine by."""
+    role: str
+    """``prefill`` or ``decode``."""
+    engine_url: str
+    """The engine's HTTP base URL (the record's ``url``: where routers send requests)."""
+    model: str
+    """The model the engine serves (part of every block key; routers filter on it)."""
+    bootstrap_url: str | None = None
+    """Prefill: its SGLang bootstrap server (default: the engine's host, port 8998)."""
+    events: SubscriberConfig | None = None
+    """The KV events of attention-DP rank 0 (rank r: port + r); None: not indexed."""
+    dp_size: int = 1
+    """Attention-DP ranks whose KV events are subscribed, for one instance."""
+    block_size: int = DEFAULT_BLOCK_SIZE
+    """Index block size in tokens: the engine's page size must equal it (SGLang
+    ``--page-size``), or every event is refused as the wrong block size."""
+    tokenizer: str | None = None
+    """The tokenizer the engine uses (a path or alias), named in the record so routers hash as
+    the engine does; None: the one the engine's ``/get_server_info`` names, if any."""
+    etcd: EtcdSettings = field(default_factory=EtcdSettings)
+    """The etcd cluster holding the instance records and the index."""
+    etcd_prefix: str = DEFAULT_PREFIX
+    """Key prefix of every key written."""
+    lease_ttl: int = 10
+    """Seconds the instance's keys outlive the sidecar."""
+    health_interval: float = 0.5
+    """Seconds between ``/health`` checks of the engine."""
+    health_timeout: float = 0.8
+    """Seconds one ``/health`` check may take before it counts as failed."""
+    unhealthy_after: int = 2
+    """Consecutive failed checks that mark the engine unhealthy in its record (a dead engine:
+    about one second; a hung one: within interval + n * (timeout + interval))."""
+    unhealthy_grace: float = 20.0
+    """Seconds an unhealthy engine keeps its record and blocks before the lease is revoked."""
+    bootstrap_poll: float = 0.5
+    """Seconds between reads of the prefill's bootstrap topology and ranks."""
+
+    def __post_init__(self) -> None:
+        validate_instance_id(self.instance_id)
+        validate_model(self.model)
+        if self.role not in ROLES:
+            raise ValueError(f"--role must be one of {list(ROLES)}, got {self.role!r}")
+        self.engine_url, host, _ = http_base(self.engine_url, "--engine-url")
+        if self.role == DECODE:
+            if self.bootstrap_url is not None:
+                raise ValueError("--bootstrap-url is for prefills: a decode runs no bootstrap "
+                                 "server")
+            if self.events is not None:
+                raise ValueError("--kv-events is for prefills: a decode's cache is not indexed")
+        elif self.bootstrap_url is None:
+            shown = f"[{host}]" if ":" in host else host
+            self.bootstrap_url = f"http://{shown}:{BOOTSTRAP_PORT}"
+        if self.bootstrap_url is not None:
+            self.bootstrap_url = http_base(self.bootstrap_url, "--bootstrap-url")[0]
+        if not 1 <= self.dp_size <= 1024:
+            raise ValueError(f"--dp-size must be within [1, 1024], got {self.dp_size}")
+        if not 1 <= self.block_size <= 65536:
+            raise ValueError(f"--block-size must be within [1, 65536], got {self.block_size}")
+        if not 2 <= self.lease_ttl <= 3600:
+            raise ValueError(f"--lease-ttl must be within [2, 3600] s, got {self.lease_ttl}")
+        for name, lo, hi in (("health_interval", 0.05, 60.0), ("health_timeout", 0.05, 60.0),
+                             ("unhealthy_grace", 0.0, 86400.0), ("bootstrap_poll", 0.05, 60.0)):
+            value = getattr(self, name)
+            if not lo <= value <= hi:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be within [{lo:g}, {hi:g}] s, got {value}")
+        if not 1 <= self.unhealthy_after <= 100:
+            raise ValueError(f"--unhealthy-after must be within [1, 100], got "
+                             f"{self.unhealthy_after}")
+        if self.events is not None and self.events.model is None:
+            self.events = SubscriberConfig(
+                endpoint=self.events.endpoint, replay_endpoint=self.events.replay_endpoint,
+                topic=self.events.topic, connect=self.events.connect, model=self.model)
+        KeyLayout(self.etcd_prefix)  # raises on a malformed prefix
+
+    @property
+    def layout(self) -> KeyLayout:
+        return KeyLayout(self.etcd_prefix)
+
+    def event_sources(self) -> list[tuple[int, SubscriberConfig]]:
+        """Per attention-DP rank, where its KV events come from (SGLang: port + rank)."""
+        ev = self.events
+        if ev is None:
+            return []
+        return [(dp, SubscriberConfig(
+            endpoint=offset_endpoint(ev.endpoint, dp),
+            replay_endpoint=(None if ev.replay_endpoint is None
+                             else offset_endpoint(ev.replay_endpoint, dp)),
+            topic=ev.topic, connect=ev.connect, model=ev.model)) for dp in range(self.dp_size)]
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Sidecar flags (etcd flags are the CLI's own)."""
+        d = cls
+        parser.add_argument("--instance-id", required=True, help="the engine's instance id")
+        parser.add_argument("--role", required=True, choices=ROLES)
+        parser.add_argument("--engine-url", required=True, metavar="URL",
+                            help="the engine's HTTP base URL, e.g. http://10.0.0.5:30000")
+        parser.add_argument("--model", required=True, help="the model the engine serves")
+        parser.add_argument("--bootstrap-url", default=None, metavar="URL",
+                            help="prefill: its SGLang bootstrap server (default: the engine's "
+                                 f"host, port {BOOTSTRAP_PORT})")
+        parser.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                            help="prefill: the endpoint in the engine's --kv-events-config "
+                                 "(a concrete host: the engine connects, the sidecar binds)")
+        parser.add_argument("--replay", default=None, metavar="ENDPOINT",
+                            help="the engine's KV-event replay endpoint, if it has one")
+        parser.add_argument("--topic", default="", help="KV-event topic prefix (default: all)")
+        parser.add_argument("--kv-events-connect", default=None,
+                            action=argparse.BooleanOptionalAction,
+                            help="force connect (or --no-kv-events-connect: bind) instead of the "
+                                 "rule")
+        parser.add_argument("--dp-size", type=int, default=1,
+                            help="attention-DP ranks publishing KV events (rank r on port + r)")
+        parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                            help=f"index block size (default {DEFAULT_BLOCK_SIZE}); the engine's "
+                                 "page size must equal it")
+        parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                            help="the engine's tokenizer (a tokenizer.json directory, a GGUF or "
+                                 "an alias), named in the record for routers")
+        parser.add_argument("--lease-ttl", type=int, default=d.lease_ttl,
+                            help=f"seconds the keys outlive the sidecar (default {d.lease_ttl})")
+        parser.add_argument("--health-interval", type=float, default=d.health_interval,
+                            help=f"seconds between /health checks (default {d.health_interval})")
+        parser.add_argument("--health-timeout", type=float, default=d.health_timeout,
+                            help=f"seconds per /health check (default {d.health_timeout})")
+        parser.add_argument("--unhealthy-after", type=int, default=d.unhealthy_after,
+                            help="failed checks in a row that mark the engine unhealthy "
+                                 f"(default {d.unhealthy_after})")
+        parser.add_argument("--unhealthy-grace", type=float, default=d.unhealthy_grace,
+                            help="seconds unhealthy before the lease is revoked "
+                                 f"(default {d.unhealthy_grace:g})")
+        parser.add_argument("--bootstrap-poll", type=float, default=d.bootstrap_poll,
+                            help=f"seconds between bootstrap table reads (default "
+                                 f"{d.bootstrap_poll})")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, etcd: EtcdSettings) -> SidecarConfig:
+        events = None
+        if args.kv_events is not None:
+            events = SubscriberConfig(endpoint=args.kv_events, replay_endpoint=args.replay,
+                                      topic=args.topic, connect=args.kv_events_connect)
+        elif args.replay is not None:
+            raise ValueError("--replay needs --kv-events")
+        return cls(instance_id=args.instance_id, role=args.role, engine_url=args.engine_url,
+                   model=args.model, bootstrap_url=args.bootstrap_url, events=events,
+                   dp_size=args.dp_size, block_size=args.block_size, tokenizer=args.tokenizer,
+                   etcd=etcd, etcd_prefix=getattr(args, "etcd_prefix", DEFAULT_PREFIX),
+                   lease_ttl=args.lease_ttl, health_interval=args.health_interval,
+                   health_timeout=args.health_timeout, unhealthy_after=args.unhealthy_after,
+                   unhealthy_grace=args.unhealthy_grace, bootstrap_poll=args.bootstrap_poll)
