@@ -1,0 +1,266 @@
+"""The sidecar in-process, against real etcd and real sockets: waiting for an engine, refusing a
+bootstrap URL that does not speak SGLang's wire, mirroring a bootstrap table's changes, health
+and the grace, one id per sidecar, and KV events of another block size."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from sidecar_stubs import BootstrapStub, EngineStub, rank_body
+
+from bootstrap.registration import put_route
+from index.agent_stats import stats_key
+from index.errors import InstanceIdInUse
+from index.etcd import EtcdClient, EtcdSettings
+from index.events.publisher import KVEventPublisher, PublisherConfig
+from index.events.subscriber import SubscriberConfig
+from index.events.types import BlockStored
+from index.keys import KeyLayout, loads
+from index.record import InstanceRecord
+from kvatlas.etcd_proc import free_port
+from sidecar.config import SidecarConfig
+from sidecar.errors import SidecarError
+from sidecar.service import ATTACHED, Sidecar
+
+
+def config(etcd_settings: EtcdSettings, key_prefix: str, engine_url: str, role: str = "decode",
+           **kw: Any) -> SidecarConfig:
+    return SidecarConfig(instance_id=kw.pop("instance_id", "e0"), role=role,
+                         engine_url=engine_url, model="tiny", etcd=etcd_settings,
+                         etcd_prefix=key_prefix, lease_ttl=3, health_interval=0.2,
+                         health_timeout=0.5, unhealthy_grace=kw.pop("grace", 30.0),
+                         bootstrap_poll=0.2, **kw)
+
+
+@contextlib.asynccontextmanager
+async def running(cfg: SidecarConfig) -> AsyncIterator[tuple[Sidecar, asyncio.Task[None]]]:
+    sc = Sidecar(cfg)
+    await sc.start()
+    stop = asyncio.Event()
+    task = asyncio.create_task(sc.run(stop))
+    try:
+        yield sc, task
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+        await sc.close()
+
+
+def consecutive_free_ports() -> int:
+    """A free loopback port whose successor is free too (rank r publishes on port + r)."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
+async def until(predicate: Callable[[], Awaitable[Any]], timeout: float) -> float:
+    """Seconds until ``predicate()`` is truthy; AssertionError past ``timeout``."""
+    t0 = time.monotonic()
+    while not await predicate():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"not within {timeout} s")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def record_of(etcd: EtcdClient, layout: KeyLayout, iid: str = "e0"
+              ) -> Callable[[], Awaitable[InstanceRecord | None]]:
+    async def read() -> InstanceRecord | None:
+        kv = await etcd.get(layout.instance(iid))
+        return None if kv is None else InstanceRecord.from_json(kv.value)
+    return read
+
+
+async def test_waits_for_an_unreachable_engine_and_says_what_it_waits_for(
+        etcd: EtcdClient, etcd_settings: EtcdSettings, key_prefix: str, layout: KeyLayout,
+        caplog: pytest.LogCaptureFixture) -> None:
+    port = free_port()
+    engine = EngineStub(port=port)
+    caplog.set_level(logging.INFO, logger="sidecar.service")
+    async with running(config(etcd_settings, key_prefix, engine.url)) as (sc, task):
+        await asyncio.sleep(1.0)
+        assert not task.done() and sc.state == "waiting"
+        assert await record_of(etcd, layout)() is None
+        waits = [r.getMessage() for r in caplog.records if "waiting for engine" in r.getMessage()]
+        assert waits and f"{engine.url} to answer GET /health" in waits[0], waits
+        assert "try 1" in waits[0]
+        await engine.start()
+        try:
+            await until(record_of(etcd, layout), 8.0)
+            rec = await record_of(etcd, layout)()
+            assert rec is not None and (rec.role, rec.url, rec.ready, rec.healthy,
+                                        rec.engine) == ("decode", engine.url, True, True,
+                                                        "sglang")
+        finally:
+            await engine.stop()
+
+
+@pytest.mark.parametrize(("route", "named"), [
+    ((200, {"hello": "world"}), "lacks attn_tp_size"),
+    ((200, {"attn_tp_size": 1, "attn_cp_size": 1, "dp_size": "two", "pp_size": 1,
+            "page_size": 16, "kv_cache_dtype": "auto", "follow_bootstrap_room": True}),
+     "dp_size"),
+    ((404, "404: Not Found"), "answered 404"),
+])
+async def test_a_bootstrap_url_that_is_not_sglangs_topology_document_is_an_error_naming_it(
+        etcd: EtcdClient, etcd_settings: EtcdSettings, key_prefix: str, layout: KeyLayout,
+        route: tuple[int, Any], named: str) -> None:
+    engine = await EngineStub().start()
+    engine.route = route
+    try:
+        cfg = config(etcd_settings, key_prefix, engine.url, role="prefill",
+                     bootstrap_url=engine.url)
+        async with running(cfg) as (_, task):
+            with pytest.raises(SidecarError) as err:
+                await asyncio.wait_for(task, 10)
+        assert "--bootstrap-url" in str(err.value) and named in str(err.value), err.value
+        assert await record_of(etcd, layout)() is None  # nothing left behind
+    finally:
+        await engine.stop()
+
+
+async def test_registration_reregistration_and_a_new_address_reach_etcd_within_2s(
+        etcd: EtcdClient, etcd_settings: EtcdSettings, key_prefix: str,
+        layout: KeyLayout) -> None:
+    engine = await EngineStub().start()
+    boot = await BootstrapStub("e0").start()
+    try:
+        cfg = config(etcd_settings, key_prefix, engine.url, role="prefill",
+                     bootstrap_url=boot.url)
+        async with running(cfg):
+            read = record_of(etcd, layout)
+            await until(read, 5.0)
+            rec = await read()
+            assert rec is not None and not rec.ready and rec.registered_ranks == 0  # 503
+
+            async def ranks() -> dict[tuple[int, ...], tuple[str, int]]:
+                _, kvs = await etcd.get_prefix(layout.ranks_prefix("e0"))
+                return {layout.parse_rank(kv.key)[1]: (loads(kv.value)["rank_ip"],
+                                                      loads(kv.value)["rank_port"]) for kv in kvs}
+
+            await put_route(boot.url, rank_body(0, 2, 21000))
+            await put_route(boot.url, rank_body(1, 2, 21001))
+
+            async def both() -> bool:
+                rec = await read()
+                return bool(rec and rec.ready) and await ranks() == {
+                    (0, 0, 0, 0): ("127.0.0.1", 21000), (0, 0, 1, 0): ("127.0.0.1", 21001)}
+            assert await until(both, 2.0) <= 2.0
+            rec = await read()
+            assert rec is not None and (rec.expected_ranks, rec.registered_ranks, rec.tp_size,
+                                        rec.kv_cache_dtype) == (2, 2, 2, "bfloat16")
+            await put_route(boot.url, rank_body(1, 2, 21001))  # re-registration: unchanged
+            await put_route(boot.url, rank_body(1, 2, 21999, ip="127.0.0.2"))  # a new address
+
+            async def moved() -> bool:
+                return (await ranks()).get((0, 0, 1, 0)) == ("127.0.0.2", 21999)
+            assert await until(moved, 2.0) <= 2.0
+    finally:
+        await boot.stop()
+        await engine.stop()
+
+
+async def test_unhealthy_within_3s_lease_revoked_after_the_grace_and_back_when_it_answers(
+        etcd: EtcdClient, etcd_settings: EtcdSettings, key_prefix: str,
+        layout: KeyLayout) -> None:
+    engine = await EngineStub().start()
+    read = record_of(etcd, layout)
+    try:
+        async with running(config(etcd_settings, key_prefix, engine.url, grace=1.5)) as (sc, _):
+            await until(read, 5.0)
+            first = await read()
+            assert first is not None and first.healthy
+            engine.health_status = 503
+
+            async def unhealthy() -> bool:
+                rec = await read()
+                return rec is not None and not rec.healthy
+            assert await until(unhealthy, 3.0) <= 3.0
+            rec = await read()
+            assert rec is not None and rec.ready  # ready and healthy are told apart
+
+            async def gone() -> bool:
+                return await read() is None
+            assert await until(gone, 4.0) <= 4.0  # the grace (1.5 s), then the lease revoked
+            assert sc.state == "waiting"
+            engine.health_status = 200
+
+            async def back() -> bool:
+                rec = await read()
+                return rec is not None and rec.healthy
+            await until(back, 5.0)
+            again = await read()
+            assert again is not None and first.started_at is not None
+            assert again.started_at is not None and again.started_at > first.started_at
+            assert sc.attachments == 2 and sc.state == ATTACHED
+    finally:
+        await engine.stop()
+
+
+async def test_a_second_sidecar_for_one_instance_id_refuses_to_start(
+        etcd: EtcdClient, etcd_settings: EtcdSettings, key_prefix: str,
+        layout: KeyLayout) -> None:
+    engine = await EngineStub().start()
+    try:
+        cfg = config(etcd_settings, key_prefix, engine.url)
+        async with running(cfg):
+            await until(record_of(etcd, layout), 5.0)
+            second = Sidecar(config(etcd_settings, key_prefix, engine.url))
+            with pytest.raises(InstanceIdInUse):
+                await second.start()
+            await second.close()
+            assert await record_of(etcd, layout)() is not None  # the first one's, untouched
+    finally:
+        await engine.stop()
+
+
+async def test_events_of_every_dp_rank_are_indexed_and_another_block_size_is_rejected(
+        etcd: EtcdClient, etcd_settings: EtcdSettings, key_prefix: str,
+        layout: KeyLayout) -> None:
+    engine = await EngineStub().start()
+    boot = await BootstrapStub("e0").start()
+    await put_route(boot.url, rank_body(0, 1, 21000))
+    port = consecutive_free_ports()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    cfg = config(etcd_settings, key_prefix, engine.url, role="prefill", bootstrap_url=boot.url,
+                 events=SubscriberConfig(endpoint=endpoint), dp_size=2)
+    publishers = [KVEventPublisher(PublisherConfig(endpoint=f"tcp://127.0.0.1:{port + r}"))
+                  for r in range(2)]
+    try:
+        async with running(cfg) as (sc, _):
+            await until(record_of(etcd, layout), 5.0)
+            for pub in publishers:
+                await pub.start()
+            await asyncio.sleep(0.5)  # the connections settle (ZMQ's slow joiner)
+            publishers[0].drain([BlockStored([11], None, list(range(16)), 16)])
+            publishers[1].drain([BlockStored([22], None, list(range(100, 116)), 16)])
+            publishers[1].drain([BlockStored([33], None, list(range(8)), 8)])
+
+            async def counted() -> dict[str, Any] | None:
+                kv = await etcd.get(stats_key(layout, "e0"))
+                doc = loads(kv.value) if kv is not None else None
+                return doc if doc and doc.get("received") == 3 and doc["blocks"] == 2 else None
+            await until(counted, 5.0)
+            doc = await counted()
+            assert doc is not None and doc["rejected"] == {"block_size_mismatch": 1}
+            assert doc["applied"] == 2 and doc["last_seq"] == [0, 1]
+            _, kvs = await etcd.get_prefix(layout.blocks_prefix("tiny", "e0"))
+            assert len(kvs) == 2  # one block from each DP rank, one instance
+            assert sc.attachment is not None
+    finally:
+        for pub in publishers:
+            await pub.close()
+        await boot.stop()
+        await engine.stop()
