@@ -23,7 +23,7 @@ from kvatlas.cli import CLIError
 from kvatlas.commands._common import add_etcd_args, etcd_password
 from kvatlas.launcher.state import ClusterState, proc_rss
 from kvatlas.launcher.supervisor import LocalCluster, StartError, http_status, stop_processes
-from kvatlas.launcher.topology import DEFAULT_MODEL, EtcdClientFlags, Topology
+from kvatlas.launcher.topology import DEFAULT_MODEL, ENGINE_KINDS, EtcdClientFlags, Topology
 
 DEFAULT_RUN_DIR = ".kvatlas/run"
 DEFAULT_ROUTER_PORT = 8000
@@ -73,6 +73,10 @@ def register(subparsers: Any) -> None:
             p.add_argument("--json", action="store_true", help="print JSON")
         p.set_defaults(func=func)
     compose = sub.add_parser("compose", help="print docker-compose.yml for the same topology")
+    compose.add_argument("--engine", choices=ENGINE_KINDS, default="kvatlas",
+                         help="kvatlas (default): kvatlas's own engines, as docker-compose.yml; "
+                              "sglang: SGLang engines with a kvatlas sidecar each, as "
+                              "deploy/sglang/docker-compose.yml")
     compose.set_defaults(func=cmd_compose)
     for p in (up, *[sub.choices[n] for n in ("status", "down")]):
         p.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
@@ -275,6 +279,10 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_compose(args: argparse.Namespace) -> int:
+    if args.engine == "sglang":
+        from kvatlas.launcher.compose_sglang import sglang_compose_yaml
+        sys.stdout.write(sglang_compose_yaml())
+        return 0
     from kvatlas.launcher.compose import compose_yaml
     sys.stdout.write(compose_yaml())
     return 0

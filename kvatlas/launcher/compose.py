@@ -31,12 +31,15 @@ def compose_topology() -> Topology:
                     admin_token=ADMIN_TOKEN_ENV, transfer_key=TRANSFER_KEY_ENV)
 
 
-def _http_check(url: str) -> list[str]:
+def http_check(url: str, python: str = "python") -> list[str]:
+    """A healthcheck that GETs ``url``; Python because every image here has it (curl is not in
+    python:3.11-slim). ``python``: the interpreter's name in the image (SGLang's has python3)."""
     probe = f"import urllib.request,sys; urllib.request.urlopen({url!r}, timeout=3)"
-    return ["CMD", "python", "-c", probe]
+    return ["CMD", python, "-c", probe]
 
 
-def _service(svc: Service) -> dict[str, Any]:
+def compose_service(svc: Service) -> dict[str, Any]:
+    """One service of the kvatlas image (or etcd's) as a compose mapping."""
     local = f"http://127.0.0.1:{svc.port}{svc.health_path}"
     out: dict[str, Any]
     if svc.role == "etcd":
@@ -55,7 +58,7 @@ def _service(svc: Service) -> dict[str, Any]:
         if secrets:
             # From the environment, not the command line, which `ps` shows everyone.
             out["environment"] = secrets
-        out["healthcheck"] = {"test": _http_check(local), "interval": "5s", "timeout": "5s",
+        out["healthcheck"] = {"test": http_check(local), "interval": "5s", "timeout": "5s",
                               "retries": 30, "start_period": "10s"}
     if svc.role == "router":
         # Published on the host's loopback only; the other services stay on the compose network.
@@ -70,7 +73,7 @@ def compose_document(topology: Topology | None = None) -> dict[str, Any]:
     topo = topology or compose_topology()
     services = topo.services(ComposeNetwork())
     return {"version": "3.9",
-            "services": {s.name: _service(s) for s in services},
+            "services": {s.name: compose_service(s) for s in services},
             "volumes": {f"{n}-data": {} for n in topo.etcd_names()}}
 
 

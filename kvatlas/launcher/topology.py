@@ -20,7 +20,12 @@ from router.config import ADMIN_TOKEN_ENV
 from tokenization import canonical_model
 from transfer.base import TRANSFER_KEY_ENV
 
-ROLES = ("etcd", "prefill", "decode", "router")
+ROLES = ("etcd", "prefill", "decode", "router", "sidecar")
+"""``sidecar``: a ``kvatlas sidecar`` beside an engine that is not ours (SGLang), publishing its
+record, bootstrap table and KV events to etcd (``kvatlas/launcher/compose_sglang.py``)."""
+ENGINE_KINDS = ("kvatlas", "sglang")
+"""What the prefill and decode instances run: kvatlas's own engine (``kvatlas engine serve``),
+or SGLang with a sidecar each (compose only: the local launcher runs no GPU engines)."""
 DEFAULT_MODEL = "smollm2-135m"
 """The model a cluster serves unless told otherwise (``--model``): a real instruct model whose
 answers are sentences, small enough (135M parameters) for a few CPU processes on a laptop."""
@@ -96,7 +101,9 @@ class ComposeNetwork:
     listen_host: str = "0.0.0.0"
     data_root: str = "/var/lib/etcd"
     ports: dict[str, int] = field(default_factory=lambda: {
-        "http": 30000, "bootstrap": 8998, "client": 2379, "peer": 2380, "router": 8000})
+        "http": 30000, "bootstrap": 8998, "client": 2379, "peer": 2380, "router": 8000,
+        # A sidecar's KV-event socket (ZMQ SUB, bound); attention-DP rank r uses this + r.
+        "kv_events": 5557})
 
     def host(self, service: str) -> str:
         return service

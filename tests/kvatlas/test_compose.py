@@ -1,6 +1,8 @@
 """docker-compose.yml is the launcher's topology: same commands, same flags, nothing drifts."""
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -162,6 +164,206 @@ def test_ci_fails_loudly_when_docker_compose_cannot_be_installed(tmp_path: Path)
 def test_compose_check_fails_under_ci_without_docker_compose(tmp_path: Path) -> None:
     env = {**_without_tools(tmp_path), "CI": "true"}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          f"{Path(__file__)}::test_docker_compose_config_validates"],
+                          f"{Path(__file__)}::test_docker_compose_config_validates",
+                          f"{Path(__file__)}::test_sglang_docker_compose_config_validates"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert "1 failed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
+    assert "2 failed" in out.stdout and "skipped" not in out.stdout, out.stdout[-2000:]
+
+
+# --- In front of SGLang: deploy/sglang/docker-compose.yml -------------------------------------
+
+SGLANG_COMPOSE = ROOT / "deploy" / "sglang" / "docker-compose.yml"
+SIDECAR_FLAGS = {"--instance-id", "--role", "--engine-url", "--model", "--bootstrap-url",
+                 "--kv-events", "--replay", "--topic", "--block-size", "--dp-size", "--tokenizer",
+                 "--health-interval", "--unhealthy-grace", "--lease-ttl", "--etcd", "--etcd-prefix"}
+"""The flags ``kvatlas sidecar`` takes (agreed with its implementation; the real parser is used
+instead as soon as the command exists)."""
+
+
+def _sglang_doc() -> dict:
+    from kvatlas.launcher.compose_sglang import sglang_compose_document
+    return sglang_compose_document()
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, (flag, argv)
+    return argv[argv.index(flag) + 1]
+
+
+def test_sglang_committed_file_is_generated_from_the_topology() -> None:
+    from kvatlas.launcher.compose_sglang import sglang_compose_yaml
+    assert SGLANG_COMPOSE.read_text() == sglang_compose_yaml(), (
+        "deploy/sglang/docker-compose.yml differs from the topology: regenerate it with "
+        "`kvatlas cluster compose --engine sglang > deploy/sglang/docker-compose.yml`")
+    import yaml
+    assert yaml.safe_load(SGLANG_COMPOSE.read_text()) == _sglang_doc()
+
+
+def test_cluster_compose_engine_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--engine kvatlas`` is the default and prints docker-compose.yml unchanged."""
+    from kvatlas.cli import main
+    from kvatlas.launcher.compose_sglang import sglang_compose_yaml
+    for argv, expected in ((["cluster", "compose"], compose_yaml()),
+                           (["cluster", "compose", "--engine", "kvatlas"], compose_yaml()),
+                           (["cluster", "compose", "--engine", "sglang"], sglang_compose_yaml())):
+        assert main(argv) == 0
+        assert capsys.readouterr().out == expected, argv
+    assert compose_yaml() == COMPOSE.read_text()
+    with pytest.raises(SystemExit):
+        main(["cluster", "compose", "--engine", "vllm"])
+
+
+def test_sglang_topology_services_and_shared_parts() -> None:
+    services = _sglang_doc()["services"]
+    assert list(services) == ["etcd0", "etcd1", "etcd2", "prefill-0", "prefill-0-sidecar",
+                              "prefill-1", "prefill-1-sidecar", "decode-0", "decode-0-sidecar",
+                              "router"]
+    # etcd is built by the same code as docker-compose.yml's, byte for byte.
+    kvatlas_services = compose_document()["services"]
+    for name in ("etcd0", "etcd1", "etcd2"):
+        assert services[name] == kvatlas_services[name]
+    # The router too: the same command but for the model and its tokenizer, plus the policy and
+    # the block size.
+    model = "${KVATLAS_MODEL:-Qwen/Qwen3-0.6B}"
+    router = services["router"]["command"]
+    assert router[-6:] == ["--tokenizer", f"{model}=${{KVATLAS_TOKENIZER:-qwen3}}",
+                           "--policy", "kv_aware", "--block-size", "16"]
+    base = kvatlas_services["router"]["command"]
+    assert base[-2] == "--tokenizer"
+    base_model = _flag(base, "--model")
+    assert router[:-6] == [model if a == base_model else a for a in base[:-2]]
+    assert services["router"]["environment"] == kvatlas_services["router"]["environment"]
+    # It waits for etcd, not for the engines' minutes of loading: it finds them in etcd.
+    assert services["router"]["depends_on"] == {
+        **{e: {"condition": "service_healthy"} for e in ("etcd0", "etcd1", "etcd2")},
+        **{s: {"condition": "service_started"}
+           for s in ("prefill-0-sidecar", "prefill-1-sidecar", "decode-0-sidecar")}}
+    # Only the router is published, and only on the host's loopback.
+    published = {n: s["ports"] for n, s in services.items() if "ports" in s}
+    assert published == {"router": ["127.0.0.1:8000:8000"]}
+
+
+def test_sglang_engines_and_sidecars_agree() -> None:
+    """Page size = block size everywhere, the events endpoint is the sidecar's own host, the
+    bootstrap URL is the prefill's bootstrap port: each mismatch would index nothing."""
+    services = _sglang_doc()["services"]
+    for name in ("prefill-0", "prefill-1", "decode-0"):
+        engine, side = services[name], services[f"{name}-sidecar"]
+        role = name.split("-")[0]
+        cmd, scmd = engine["command"], side["command"]
+        assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
+        assert engine["image"].startswith("lmsysorg/sglang:v0.5.")
+        assert _flag(cmd, "--disaggregation-mode") == role
+        assert _flag(cmd, "--page-size") == _flag(scmd, "--block-size") == "16"
+        assert _flag(cmd, "--host") == "0.0.0.0" and _flag(cmd, "--port") == "30000"
+        assert "--enable-metrics" in cmd
+        assert engine["deploy"]["resources"]["reservations"]["devices"] == [
+            {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+        assert engine["ipc"] == "host"
+        # Passed through only when set (no empty HF_TOKEN, no MC_FORCE_TCP unless asked).
+        assert engine["environment"] == ["HF_TOKEN", "MC_FORCE_TCP"]
+        assert "hf-cache:/root/.cache/huggingface" in engine["volumes"]
+        assert "http://127.0.0.1:30000/health" in " ".join(engine["healthcheck"]["test"])
+        assert engine["hostname"] == name and side["hostname"] == f"{name}-sidecar"
+        assert scmd[:2] == ["kvatlas", "sidecar"]
+        assert _flag(scmd, "--instance-id") == name and _flag(scmd, "--role") == role
+        assert _flag(scmd, "--engine-url") == f"http://{name}:30000"
+        assert _flag(scmd, "--model") == _flag(cmd, "--model-path")
+        assert _flag(scmd, "--etcd") == "etcd0:2379,etcd1:2379,etcd2:2379"
+        # The sidecar waits for its engine itself (binding its socket before the engine
+        # publishes); it has no healthcheck of its own (it serves no HTTP).
+        assert "healthcheck" not in side
+        assert side["depends_on"] == {**{e: {"condition": "service_healthy"}
+                                         for e in ("etcd0", "etcd1", "etcd2")},
+                                      name: {"condition": "service_started"}}
+        assert "depends_on" not in engine
+        if role == "prefill":
+            assert _flag(cmd, "--disaggregation-bootstrap-port") == "8998"
+            assert _flag(scmd, "--bootstrap-url") == f"http://{name}:8998"
+            config = json.loads(_flag(cmd, "--kv-events-config"))
+            # A concrete host (the sidecar's own hostname): the engine connects, the sidecar binds.
+            assert config == {"publisher": "zmq", "endpoint": f"tcp://{name}-sidecar:5557",
+                              "topic": "kv"}
+            assert _flag(scmd, "--kv-events") == config["endpoint"]
+            assert _flag(scmd, "--topic") == config["topic"]
+        else:
+            # Decodes are not indexed and have no bootstrap server.
+            for flag in ("--disaggregation-bootstrap-port", "--kv-events-config"):
+                assert flag not in cmd
+            for flag in ("--bootstrap-url", "--kv-events", "--topic"):
+                assert flag not in scmd
+    for svc in services.values():
+        for dep, cond in svc.get("depends_on", {}).items():
+            if cond == {"condition": "service_healthy"}:
+                assert "healthcheck" in services[dep], f"{dep} is waited on but has no healthcheck"
+
+
+def test_sglang_topology_scales_tp_and_attention_dp() -> None:
+    from kvatlas.launcher.compose_sglang import SGLangTopology, sglang_compose_document
+    from kvatlas.launcher.topology import LocalNetwork
+    doc = sglang_compose_document(SGLangTopology(prefill=1, decode=1, etcd_members=1,
+                                                 prefill_tp=4, prefill_dp=2, decode_tp=2))
+    prefill, decode = doc["services"]["prefill-0"], doc["services"]["decode-0"]
+    assert _flag(prefill["command"], "--tp-size") == "4"
+    assert _flag(prefill["command"], "--dp-size") == "2" and "--enable-dp-attention" in \
+        prefill["command"]
+    assert _flag(doc["services"]["prefill-0-sidecar"]["command"], "--dp-size") == "2"
+    assert prefill["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 4
+    assert decode["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 2
+    with pytest.raises(ValueError, match="multiple of its DP"):
+        SGLangTopology(prefill_tp=3, prefill_dp=2)
+    with pytest.raises(ValueError, match="page size"):
+        SGLangTopology(page_size=0)
+    # On one host (LocalNetwork) the endpoint is loopback, still a concrete host the sidecar binds.
+    local = SGLangTopology(prefill=1).services(LocalNetwork(fixed={("prefill-0-sidecar",
+                                                                    "kv_events"): 5557}))
+    side = next(s for s in local if s.name == "prefill-0-sidecar")
+    assert _flag(side.args, "--kv-events") == "tcp://127.0.0.1:5557"
+
+
+def test_sglang_kvatlas_commands_parse() -> None:
+    """The router's flags parse with the real CLI; the sidecars' too once ``kvatlas sidecar``
+    exists, until then they must be among the flags agreed for it."""
+    from kvatlas.cli import build_parser
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, svc in _sglang_doc()["services"].items():
+        program, *args = svc["command"]
+        if program != "kvatlas":
+            continue
+        if args[0] == "sidecar" and "sidecar" not in commands.choices:
+            flags = {a for a in args if a.startswith("--")}
+            assert flags <= SIDECAR_FLAGS, (name, flags - SIDECAR_FLAGS)
+            continue
+        parsed = parser.parse_args(args)
+        assert callable(parsed.func), name
+
+
+def test_sglang_docker_compose_config_validates() -> None:
+    tool = shutil.which("docker-compose")
+    if tool is None:
+        if _compose_required():
+            pytest.fail("docker-compose is not installed: .ci/run installs it with apt-get")
+        pytest.skip("docker-compose is not installed (CI installs it); the YAML is still "
+                    "checked by the other tests")
+    env = {**os.environ, "KVATLAS_ADMIN_TOKEN": "admin-token-1"}
+    for var in ("KVATLAS_MODEL", "KVATLAS_TOKENIZER", "KVATLAS_IMAGE"):
+        env.pop(var, None)
+    out = subprocess.run([tool, "-f", str(SGLANG_COMPOSE), "config", "-q"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([tool, "-f", str(SGLANG_COMPOSE), "config"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    import yaml
+    resolved = yaml.safe_load(out.stdout)["services"]
+    assert set(resolved) == set(_sglang_doc()["services"])
+    # The defaults compose fills in: the model, and the router's tokenizer for it.
+    assert _flag(resolved["router"]["command"], "--tokenizer") == "Qwen/Qwen3-0.6B=qwen3"
+    assert _flag(resolved["prefill-0"]["command"], "--model-path") == "Qwen/Qwen3-0.6B"
+    assert resolved["router"]["image"] == "kvatlas:latest"
+    # Without the admin token compose refuses to start instead of running with a default one.
+    env.pop("KVATLAS_ADMIN_TOKEN")
+    out = subprocess.run([tool, "-f", str(SGLANG_COMPOSE), "config", "-q"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "KVATLAS_ADMIN_TOKEN" in out.stderr
