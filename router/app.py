@@ -12,7 +12,8 @@ import functools
 import gc
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any
 
 from index.errors import EtcdError
 from index.etcd import EtcdClient
@@ -66,7 +67,8 @@ class RouterApp:
                 ("POST", "/workers", handlers.add_worker),
                 ("DELETE", "/workers", handlers.delete_worker),
                 ("GET", "/metrics", handlers.metrics),
-                ("POST", "/debug/route", handlers.debug_route)):
+                ("POST", "/debug/route", handlers.debug_route),
+                ("GET", "/debug/index_health", handlers.index_health)):
             self.routes.setdefault(path, {})[method] = functools.partial(handler, svc)
         for methods in self.routes.values():
             if "GET" in methods:
@@ -120,6 +122,7 @@ class RouterApp:
             await self._stack.enter_async_context(self._upstreams_ctx())
             await self._stack.enter_async_context(self._etcd_ctx())
             await self._stack.enter_async_context(self._health_ctx())
+            await self._stack.enter_async_context(self._canary_ctx())
             self._stack.push_async_callback(
                 lambda: self.server.close(grace=self.config.shutdown_grace))
             self.port = await self.server.start(host or self.config.host,
@@ -188,13 +191,28 @@ class RouterApp:
         if not self.config.health_check_enabled:
             yield
             return
-        task = asyncio.create_task(self.health.run(), name="router-health")
-        try:
+        async with _background(self.health.run(), "router-health"):
             yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+
+    @contextlib.asynccontextmanager
+    async def _canary_ctx(self) -> AsyncIterator[None]:
+        if self.config.etcd is None:
+            yield  # no index: no canary is ever taken
+            return
+        async with _background(self.state.canaries.run(), "router-canaries"):
+            yield
+
+
+@contextlib.asynccontextmanager
+async def _background(work: Coroutine[Any, Any, None], name: str) -> AsyncIterator[None]:
+    """Run ``work`` as a task while the context is entered; cancelled and awaited on exit."""
+    task = asyncio.create_task(work, name=name)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def create_app(config: RouterConfig) -> RouterApp:

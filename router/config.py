@@ -140,6 +140,13 @@ class RouterConfig:
     in-flight work). Spreads new conversations at low concurrency."""
     prediction_max_blocks: int = 1_000_000
     """Bound on predicted (instance, block) entries; the oldest go first past it."""
+    canary_delay: float = 2.0
+    """Seconds after a prefill served a prompt before the router asks its block index whether
+    that prefill holds the prompt's first block (a canary: router/canary.py). Long enough for
+    the engine's KV events to reach etcd and the router's mirror."""
+    canary_interval: float = 1.0
+    """Seconds between two canaries taken for one prefill instance (0: one per served request,
+    still at most 4 waiting per instance)."""
     health_interval: float = 5.0
     """Seconds between health checks of each worker."""
     health_check_enabled: bool = True
@@ -233,6 +240,7 @@ class RouterConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("overlap_weight", "temperature", "prediction_catch_up", "work_half_life",
+                     "canary_delay", "canary_interval",
                      "shutdown_grace", "queue_size", "queue_timeout",
                      "breaker_timeout", "retry_initial_backoff",
                      "retry_max_backoff"):
@@ -311,6 +319,11 @@ class RouterConfig:
                             help="seconds a prediction bridges the index's lag (default 5)")
         parser.add_argument("--work-half-life", type=float, default=d.work_half_life,
                             help="half-life of finished prefill work in the load term, seconds")
+        parser.add_argument("--canary-delay", type=float, default=d.canary_delay,
+                            help="seconds after a served prompt before the router checks that "
+                                 "the index shows it on its prefill (default 2)")
+        parser.add_argument("--canary-interval", type=float, default=d.canary_interval,
+                            help="seconds between two canaries of one prefill (default 1)")
         parser.add_argument("--health-check-interval-secs", "--health-interval", type=float,
                             dest="health_interval", default=d.health_interval)
         parser.add_argument("--health-check-timeout-secs", type=float, dest="health_timeout",
@@ -384,6 +397,7 @@ class RouterConfig:
             overlap_weight=args.overlap_weight, temperature=args.temperature,
             prediction_ttl=args.prediction_ttl,
             prediction_catch_up=args.prediction_catch_up, work_half_life=args.work_half_life,
+            canary_delay=args.canary_delay, canary_interval=args.canary_interval,
             health_interval=args.health_interval,
             health_timeout=args.health_timeout,
             breaker_failure_threshold=args.cb_failure_threshold,

@@ -25,11 +25,11 @@ from index.etcd import EtcdClient, KeyValue, WatchEvent
 from index.follow import PrefixFollower
 from index.keys import KeyLayout
 from index.record import RecordReader
-from router.workers import ROLES, WorkerPools, parse_instance_record
+from router.workers import ETCD, ROLES, WorkerPools, parse_instance_record
 
 logger = logging.getLogger(__name__)
 
-ETCD_SOURCE = "etcd"
+ETCD_SOURCE = ETCD
 
 
 class InstanceDiscovery(PrefixFollower):

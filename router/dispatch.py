@@ -117,6 +117,10 @@ class Dispatcher:
             result = await self._attempt(request, path, pair, body, wire_headers, parsed.stream,
                                          request_id, echo)
             if not isinstance(result, Failure):
+                if not isinstance(result, Response) or result.status < 400:
+                    # Served (a stream only starts on the decode's 200): the prefill computed
+                    # this prompt's KV, so its index entries should show it soon (canaries).
+                    state.on_served(pair, ctx)
                 return result
             last = result
             failed.add(result.failed)

@@ -148,6 +148,12 @@ async def debug_route(svc: Services, request: Request) -> Response:
     return json_response(answer)
 
 
+async def index_health(svc: Services, request: Request) -> Response:
+    """Per worker: the requests it served, the blocks the index holds of it, whether its
+    entries are ignored (and why) and its canaries; with the router's block size and seed."""
+    return json_response(svc.state.index_health())
+
+
 async def models(svc: Services, request: Request) -> Response:
     state = svc.state
     now = int(state.started_at)
@@ -169,7 +175,7 @@ async def readiness(svc: Services, request: Request) -> Response:
     detail: dict[str, Any] = {}
     ready = True
     for role in ROLES:
-        workers = state.pools.pool(role)
+        workers = [w for w in state.pools.pool(role) if w.counted]
         available = sum(1 for w in workers if w.available)
         detail[role] = {"total": len(workers), "available": available}
         if not available:
@@ -181,9 +187,13 @@ async def readiness(svc: Services, request: Request) -> Response:
 
 
 async def list_workers(svc: Services, request: Request) -> Response:
+    """The workers per role; static/admin workers an etcd record of their URL stands for are
+    listed apart under ``shadowed`` (one server, listed once per role)."""
     state = svc.state
-    return json_response({role: [w.describe() for w in state.pools.pool(role)]
-                              for role in ROLES})
+    answer: dict[str, list[dict[str, Any]]] = {
+        role: [w.describe() for w in state.pools.pool(role) if w.counted] for role in ROLES}
+    answer["shadowed"] = [w.describe() for w in state.pools.all() if not w.counted]
+    return json_response(answer)
 
 
 def _check_admin(svc: Services, request: Request) -> Response | None:

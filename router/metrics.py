@@ -137,6 +137,17 @@ class RouterMetrics:
                                         "fingerprint other than the router's for its model",
                                         ["instance", "model", "router_fingerprint",
                                          "instance_fingerprint"], registry=r)
+        self.index_ignored = Gauge("kvatlas_router_index_ignored",
+                                   "1 while the router ignores an instance's block index "
+                                   "entries because its block size, hash namespace or "
+                                   "tokenizer differs from the router's for its model",
+                                   ["instance", "model", "field", "router_value",
+                                    "instance_value"], registry=r)
+        self.canary = Counter("kvatlas_router_canary",
+                              "Canary checks per prefill instance: a prompt it served, looked "
+                              "up in the block index a little later (hit: the index holds its "
+                              "first block there; miss: it does not)", ["instance", "result"],
+                              registry=r)
         self.prompt_tokens = Counter("kvatlas_router_prompt_tokens", "Prompt tokens routed",
                                      registry=r)
         self.retries = Counter("kvatlas_router_retries", "Attempts after the first", ["route"],
@@ -214,10 +225,20 @@ class RouterMetrics:
             except KeyError:
                 pass
 
+    def drop(self, metric: Any, *labels: str) -> None:
+        """Remove one labelled series of ``metric`` (and its fast child), if present."""
+        self._children.pop((id(metric), *labels), None)
+        try:
+            metric.remove(*labels)
+        except KeyError:
+            pass
+
     def set_breakers(self, workers: list) -> None:
         self.breaker_state.clear()
         counts: dict[tuple[str, str], int] = {}
         for w in workers:
+            if w.shadowed_by is not None:
+                continue  # its etcd twin is the worker, counted once (router/workers.py)
             self.breaker_state.labels(w.role, w.instance_id).set(STATE_CODES[w.breaker.state])
             key = (w.role, "true" if w.available else "false")
             counts[key] = counts.get(key, 0) + 1

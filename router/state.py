@@ -7,10 +7,13 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from index.hashing import BASE_SEED
 from index.reader import IndexReader
+from router.canary import Canaries
 from router.config import RouterConfig
 from router.discovery import InstanceDiscovery
 from router.errors import NoWorkers, UnknownModel
+from router.index_guards import IndexGuards
 from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.policy import Choice, Policy, RouteContext
@@ -45,6 +48,14 @@ class RouterState:
         self.tokenizers = Tokenizers(config, self.metrics, self._served_model)
         """Per model, the tokenizer text prompts are encoded with (``start`` loads the flags')."""
         self.pools.listeners.append(self.tokenizers.on_worker)
+        self.guards = IndexGuards(config, self.metrics)
+        """Instances whose index entries are not used (another block size, namespace or
+        tokenizer than the router's): ``index_lookup`` leaves them out."""
+        self.pools.listeners.append(self.guards.on_worker)
+        self.tokenizers.mismatch_listeners.append(self.guards.on_tokenizer)
+        self.canaries = Canaries(config, self.metrics, self.index_match, self._index_live,
+                                 self.guards.is_ignored)
+        self.pools.listeners.append(self.canaries.on_worker)
         for url, port in config.prefill:
             self.pools.add(PREFILL, url, bootstrap_port=port, model=config.model)
         for url in config.decode:
@@ -59,6 +70,12 @@ class RouterState:
     # --- index ----------------------------------------------------------------------------
 
     def index_lookup(self, hashes: Sequence[int], model: str | None) -> dict[str, int]:
+        """What kv_aware reads: the index's match, less the instances the guards ignore."""
+        found = self.index_match(hashes, model)
+        return self.guards.filter(found) if found else found
+
+    def index_match(self, hashes: Sequence[int], model: str | None) -> dict[str, int]:
+        """The index's match for a request's ``model``, every instance included."""
         index = self.index
         if index is None or not index.ready:
             return {}
@@ -67,6 +84,33 @@ class RouterState:
         name = index.model or model or self.config.model or self._only_model(index)
         # An unknown name answers {} without growing the index (memory would follow clients).
         return index.match(name, hashes) if name else {}
+
+    def _index_live(self) -> bool:
+        index = self.index
+        return index is not None and index.ready and index.connected
+
+    def on_served(self, pair: Pair, ctx: RouteContext) -> None:
+        """A request routed to ``pair`` was answered: its prefill may get a canary."""
+        p = pair.prefill
+        self.canaries.served(p.worker, ctx.tokens, ctx.model, p.hashes)
+
+    def index_health(self) -> dict[str, Any]:
+        """``GET /debug/index_health``: per worker, what it served and what the index shows
+        of it, whether its entries are ignored and why, and its canaries."""
+        index = self.index
+        instances: dict[str, Any] = {}
+        for w in self.pools.all():
+            detail = index.instance(w.instance_id) if index is not None else None
+            st = self.canaries.stats(w.instance_id)
+            instances[w.instance_id] = {
+                "role": w.role, "model": w.model, "url": w.url, "source": w.source,
+                "shadowed_by": w.shadowed_by, "requests": w.requests,
+                "requests_with_blocks": st.requests_with_blocks,
+                "index_blocks": sum(detail.blocks.values()) if detail is not None else 0,
+                "ignored": [m.describe() for m in self.guards.mismatches(w.instance_id)],
+                "canary": st.describe()}
+        return {"block_size": self.config.block_size, "hash_seed": BASE_SEED,
+                "instances": instances}
 
     def index_version(self) -> Hashable:
         """Changes whenever ``index_lookup`` may answer differently."""

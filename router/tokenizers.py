@@ -59,7 +59,12 @@ class Tokenizers:
         """Record sources that failed to load here, and why (not tried again)."""
         self._records: dict[str, tuple[str | None, str | None, str | None]] = {}
         """Per instance: (model, source, fingerprint) its record names."""
-        self._mismatch: dict[str, tuple[str, ...]] = {}
+        self._mismatch: dict[str, tuple[str, str, str, str]] = {}
+        """Per instance: (instance, model, router fingerprint, instance fingerprint)."""
+        self.mismatch_listeners: list[Callable[[str, tuple[str, str, str, str] | None],
+                                               None]] = []
+        """Told ``(instance, labels)`` when an instance's mismatch appears or changes, and
+        ``(instance, None)`` when it ends (router/index_guards.py ignores its index entries)."""
         self._warned: set[str | None] = set()
         self._names: dict[str, str] = {}
         self._started = False
@@ -232,21 +237,30 @@ class Tokenizers:
         labels = (iid, model or NO_MODEL, ours.fingerprint, fp)
         if self._mismatch.get(iid) == labels:
             return
-        self._clear_mismatch(iid)
+        self._clear_mismatch(iid, tell=False)
         self._mismatch[iid] = labels
         self.metrics.tokenizer_mismatch.labels(*labels).set(1)
+        for cb in self.mismatch_listeners:
+            cb(iid, labels)
         logger.warning("instance %s (model %s) names tokenizer %s with fingerprint %s; the "
                        "router tokenizes with %s, fingerprint %s: their ids may differ, and "
                        "then no index lookup for its prompts can match", iid,
                        model or NO_MODEL, source, fp, ours.name, ours.fingerprint)
 
-    def _clear_mismatch(self, iid: str) -> None:
+    def _clear_mismatch(self, iid: str, tell: bool = True) -> None:
         labels = self._mismatch.pop(iid, None)
         if labels is not None:
             try:
                 self.metrics.tokenizer_mismatch.remove(*labels)
             except KeyError:
                 pass
+            if tell:
+                for cb in self.mismatch_listeners:
+                    cb(iid, None)
+
+    def mismatch(self, iid: str) -> tuple[str, str, str, str] | None:
+        """``iid``'s tokenizer mismatch, as the gauge labels it; None: none known."""
+        return self._mismatch.get(iid)
 
     def describe(self, model: str | None) -> dict[str, Any] | None:
         """For /debug/route: the tokenizer of ``model``, or None."""

@@ -18,6 +18,13 @@ these fields:
 
 Listeners of the pools are told "join", "leave", "moved" (a new URL) and "record" (the record
 of a worker already in the pool was written again).
+
+**Pairing.** A static or admin worker and an etcd record of the same role and URL (compared
+normalized: scheme, lower-case host, port with its default, no trailing slash) are one worker,
+whichever came first: the etcd one serves, because its id is the one the block index (and a
+sidecar's KV events) use, and the other is *shadowed* (``shadowed_by``) until the record leaves
+or moves to another URL. A shadowed worker is never chosen, and is left out of every count (the
+workers gauge, /readiness, /workers' role lists, the prompt and body limits).
 """
 from __future__ import annotations
 
@@ -36,7 +43,25 @@ from tokenization import canonical_model
 logger = logging.getLogger(__name__)
 
 ROLES = (PREFILL, DECODE)
+ETCD = "etcd"
+"""``Worker.source`` of a worker discovered from an etcd instance record."""
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def normalize_url(url: str) -> str:
+    """``url`` as pairing compares it: lower-case scheme and host, the port written out (80 or
+    443 by default), no trailing slash; ``http://LocalHost/`` and ``http://localhost:80`` are
+    one server. Assumes ``url`` passed ``check_url``."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"  # an IPv6 literal keeps its brackets
+    port = parts.port or _DEFAULT_PORTS.get(scheme, 80)
+    return f"{scheme}://{host}:{port}{parts.path.rstrip('/')}"
 
 
 def static_id(url: str) -> str:
@@ -68,6 +93,8 @@ class Worker:
     shadowed_by: str | None = None
     """A static/admin worker whose URL an etcd instance also registered: the etcd entry (whose
     id matches the block index) serves instead, so the worker is not counted twice."""
+    url_key: str = ""
+    """``normalize_url(url)``: what pairing compares."""
     limits: Stated = Stated()
     """The longest prompt and largest body it takes, once known (its record or /server_info)."""
     info_asked: bool = False
@@ -76,6 +103,12 @@ class Worker:
     def __post_init__(self) -> None:
         if self.bootstrap_host is None:
             self.bootstrap_host = urlsplit(self.url).hostname
+        self.url_key = normalize_url(self.url)
+
+    @property
+    def counted(self) -> bool:
+        """Not shadowed: counts as a worker of its pool (a shadowed one is its etcd twin)."""
+        return self.shadowed_by is None
 
     @property
     def available(self) -> bool:
@@ -157,58 +190,89 @@ class WorkerPools:
         self._models = None
         iid = instance_id or static_id(url)
         worker = self.workers[role].get(iid)
+        events: tuple[str, ...]
         if worker is None:
             worker = Worker(iid, role, url, self.new_breaker(), bootstrap_host, bootstrap_port,
                             model, source, ready, record=record or {})
             self.workers[role][iid] = worker
             logger.info("%s worker %s joined (%s, %s)", role, iid, url, source)
-            self._tell("join", worker)
+            events = ("join",)
         else:
             moved = worker.url != url
-            worker.url = url
+            worker.url, worker.url_key = url, normalize_url(url)
             worker.bootstrap_host = bootstrap_host or urlsplit(url).hostname
             worker.bootstrap_port = bootstrap_port
             worker.model, worker.source, worker.ready = model, source, ready
             worker.record = record or {}
+            events = ("record",)
             if moved:
                 logger.info("%s worker %s moved to %s", role, iid, url)
                 worker.limits, worker.info_asked = Stated(), False  # maybe another server
-                self._tell("moved", worker)
-            self._tell("record", worker)
+                events = ("moved", "record")
+        # Paired before the listeners hear of it: they see who is shadowed already.
+        self._pair(role)
         # What the record states wins over what /server_info told: it names this process.
         stated, known = stated_limits(record, iid), worker.limits
         self.learned(worker, Stated(stated.prompt or known.prompt, stated.body or known.body))
-        if source == "etcd":
-            for other in self.workers[role].values():
-                if other.source != "etcd" and other.url == url:
-                    other.shadowed_by = iid
+        for event in events:
+            self._tell(event, worker)
         return worker
 
     def remove(self, role: str, instance_id: str) -> Worker | None:
         worker = self.workers[role].pop(instance_id, None)
         if worker is not None:
             self._models = None
-            for other in self.workers[role].values():
-                if other.shadowed_by == instance_id:
-                    other.shadowed_by = None
             logger.info("%s worker %s left", role, instance_id)
-            self.limits.rebuild(self.all())
+            self._pair(role)  # a static twin it shadowed serves again
+            self.limits.rebuild(self.counted())
             self._tell("leave", worker)
         return worker
 
     def remove_url(self, url: str) -> list[Worker]:
-        url = url.rstrip("/")
+        try:
+            key = normalize_url(check_url(url))
+        except ValueError:
+            return []  # no worker has a URL that is not one
         gone = []
         for role in ROLES:
             for iid, w in list(self.workers[role].items()):
-                if w.url == url:
+                if w.url_key == key:
                     gone.append(self.remove(role, iid))
         return [w for w in gone if w is not None]
+
+    def _pair(self, role: str) -> None:
+        """Shadow each static/admin worker of ``role`` by the etcd worker of its URL, if any;
+        un-shadow those whose etcd twin left or moved. Recomputed whole after every change,
+        so the order in which a flag and a record arrive does not matter (pools are small)."""
+        pool = self.workers[role]
+        by_url: dict[str, str] = {}
+        for w in pool.values():
+            if w.source == ETCD:
+                by_url.setdefault(w.url_key, w.instance_id)
+        for w in pool.values():
+            if w.source == ETCD:
+                continue
+            twin = by_url.get(w.url_key)
+            if twin == w.shadowed_by:
+                continue
+            if twin is None:
+                logger.info("%s worker %s (%s) serves again: no etcd record names its URL "
+                            "now", role, w.instance_id, w.url)
+            else:
+                # Its requests in flight finish and release its own load; new ones go to the
+                # twin, whose id is the one its index entries are under.
+                logger.info("%s worker %s (%s, %s) is the etcd instance %s: that one serves",
+                            role, w.instance_id, w.url, w.source, twin)
+            w.shadowed_by = twin
 
     def learned(self, worker: Worker, limits: Stated) -> None:
         """``worker`` takes what ``limits`` says."""
         worker.limits = limits
-        self.limits.rebuild(self.all())
+        self.limits.rebuild(self.counted())
+
+    def counted(self) -> list[Worker]:
+        """Every worker but the shadowed ones: what counts (limits, gauges, readiness)."""
+        return [w for w in self.all() if w.shadowed_by is None]
 
     def all(self) -> list[Worker]:
         return self.pool(PREFILL) + self.pool(DECODE)
@@ -224,10 +288,9 @@ class WorkerPools:
 
     def unavailable_reason(self, role: str) -> str:
         """Why no ``role`` worker can be selected (assumes none can)."""
-        workers = self.pool(role)
+        workers = [w for w in self.pool(role) if w.shadowed_by is None]
         if not workers:
             return f"no {role} workers registered"
-        workers = [w for w in workers if w.shadowed_by is None]
         not_ready = sum(1 for w in workers if not w.ready)
         unhealthy = sum(1 for w in workers if w.ready and not w.healthy)
         open_ = sum(1 for w in workers if w.ready and w.healthy and not w.breaker.allow())

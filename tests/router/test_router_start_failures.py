@@ -1,8 +1,8 @@
 """A router whose start fails at any step leaves nothing behind (real etcd, real sockets).
 
 ``RouterApp.start`` starts, in order: the etcd client, the block mirror, worker discovery, the
-health checks, the HTTP listener and the ``/metrics`` listener. A failure is injected at each
-step; afterwards no task runs and both ports can be bound again.
+health checks, the canary checks, the HTTP listener and the ``/metrics`` listener. A failure is
+injected at each step; afterwards no task runs and both ports can be bound again.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from index.etcd import EtcdClient, EtcdSettings
 from index.mirror import BlockMirror
 from kvatlas.etcd_proc import free_port
 from router.app import create_app
+from router.canary import Canaries
 from router.config import RouterConfig
 from router.discovery import InstanceDiscovery
 from router.health import HealthChecker
@@ -23,7 +24,7 @@ from router.http.server import HttpServer
 
 pytestmark = pytest.mark.timeout(60)
 
-STEPS = ["connect", "mirror", "discovery", "health", "listen", "metrics-listen"]
+STEPS = ["connect", "mirror", "discovery", "health", "canaries", "listen", "metrics-listen"]
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -43,6 +44,8 @@ async def test_a_failed_start_closes_what_it_opened(
         monkeypatch.setattr(InstanceDiscovery, "start", raising(step))
     elif step == "health":
         monkeypatch.setattr(HealthChecker, "run", raising(step))
+    elif step == "canaries":
+        monkeypatch.setattr(Canaries, "run", raising(step))
     else:
         real_start = HttpServer.start
         fail_on = port if step == "listen" else metrics_port
