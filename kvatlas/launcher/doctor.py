@@ -19,11 +19,13 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from index.agent_stats import parse_stats_key, stats_prefix
 from index.errors import EtcdError
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, loads
-from index.record import RecordReader
+from index.record import DEFAULT_ENGINE, RecordReader
 from index.rooms import ROUTER_ROOMS
+from kvatlas.launcher.doctor_index import index_links
 
 PROBE_PROMPT = ("kvatlas doctor probe: a prompt long enough to fill a few KV blocks, so the "
                 "prefill stores them and the index shows them. ")
@@ -168,6 +170,10 @@ class Doctor:
             return self._add(f"{iid}: probe consumed", False, f"{detail} {str(dbody)[:200]}",
                              "the transfer failed: GET the decode's /debug/rooms/{room} for the "
                              "stage and rank that failed")
+        if decode.get("engine") not in (None, DEFAULT_ENGINE):
+            # SGLang's decode keeps no room log: its 200 answer is the evidence there is.
+            return self._add(f"{iid}: probe consumed", True, f"{detail} ({decode.get('engine')} "
+                             "decode: room stage not recorded)")
         return await self._room_consumed(http, f"{iid}: probe consumed", room,
                                          [decode.get("url")])
 
@@ -205,6 +211,8 @@ class Doctor:
                          "a worker the router cannot use: check its health and the router's "
                          "--etcd/--model; open circuits close after --cb-timeout-duration-secs"):
             return False
+        if not await self._index_section(http):
+            return False
         index = await self._index(http, ready)
         if not self._add("index mirror live and non-empty",
                          index.get("state") == "live" and (index.get("blocks") or 0) > 0,
@@ -223,10 +231,39 @@ class Doctor:
                              f"POST {r}/generate -> {status}: {str(doc)[:200]}",
                              "the router's retries failed: read `kvatlas cluster status` and the "
                              "router log")
-        urls = [w["url"] for w in workers.get("decode", [])]
+        foreign = {r.get("url") for r in self.instances.values()
+                   if r.get("role") == "decode" and r.get("engine") not in (None, DEFAULT_ENGINE)}
+        urls = [w["url"] for w in workers.get("decode", []) if w["url"] not in foreign]
+        if not urls and foreign:
+            return self._add("probe through the router consumed", True,
+                             f"room {room}: 200 (foreign decodes: room stage not recorded)")
         return await self._room_consumed(http, "probe through the router consumed", int(room),
                                          urls)
 
+
+    async def _index_section(self, http: aiohttp.ClientSession) -> bool:
+        """Every prefill's index links (``doctor_index``), all of them reported before the
+        chain stops: several instances can each have their own cause."""
+        status, doc = await _get(http, f"{self.router}/debug/index_health")
+        if not self._add("router index health", status == 200 and isinstance(doc, dict),
+                         f"GET {self.router}/debug/index_health -> {status}",
+                         "a router older than this kvatlas: upgrade it"):
+            return False
+        try:
+            async with EtcdClient(self.etcd) as client:
+                _, kvs = await client.get_prefix(stats_prefix(self.layout))
+        except (EtcdError, OSError) as exc:
+            return self._add("ingestion counters readable", False, str(exc),
+                             "etcd went away during the checks: run doctor again")
+        counters = {parse_stats_key(self.layout, kv.key): loads(kv.value) for kv in kvs}
+        health = doc.get("instances") or {}
+        ok = True
+        for iid, rec in sorted(self.instances.items()):
+            if rec.get("role") != "prefill":
+                continue
+            for name, good, detail, hint in index_links(iid, health.get(iid), counters.get(iid)):
+                ok = self._add(name, good, detail, hint) and ok
+        return ok
 
     async def _index(self, http: aiohttp.ClientSession, ready: Any,
                      wait: float = 5.0) -> dict[str, Any]:

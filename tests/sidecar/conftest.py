@@ -3,7 +3,7 @@ that knows them only through etcd (shared by the module's tests that do not kill
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -28,7 +28,10 @@ class SidecarCluster:
 
 
 def start_cluster(etcd: str, prefills: int = 2, router_extra: tuple[str, ...] = (),
-                  sidecar_extra: tuple[str, ...] = ()) -> SidecarCluster:
+                  sidecar_extra: Callable[[Engine], tuple[str, ...]] = lambda e: ()
+                  ) -> SidecarCluster:
+    """Engines first (ready), then a sidecar beside each (``sidecar_extra(engine)``: flags
+    added to its command line, the last of a repeated flag wins), then the router."""
     prefix = f"/kvatlas-test-{uuid.uuid4().hex[:12]}"
     started: list[Spawned] = []
     try:
@@ -38,7 +41,8 @@ def start_cluster(etcd: str, prefills: int = 2, router_extra: tuple[str, ...] = 
         started.append(decode)
         for e in [*engines, decode]:
             e.wait_ready()
-        cars = {e.name: sidecar(e, etcd, prefix, *sidecar_extra) for e in [*engines, decode]}
+        cars = {e.name: sidecar(e, etcd, prefix, *sidecar_extra(e))
+                for e in [*engines, decode]}
         started += cars.values()
         router = Router(etcd, prefix, *router_extra)
         started.append(router)
