@@ -19,7 +19,10 @@ def register(subparsers: Any) -> None:
         description="Checks, in order: etcd; instance registration; per prefill instance its "
                     "ranks (n of m), topology and rank resolution, transfer sockets and a probe "
                     "whose room must reach 'consumed' on a decode; the router's readiness, "
-                    "pools, breakers and index mirror, and a probe through the router.")
+                    "pools and breakers; per prefill why the router could see no prefix there "
+                    "(settings it ignores, events rejected by reason, no events from an "
+                    "instance that served requests, blocks that never match its hashes); the "
+                    "index mirror, and a probe through the router.")
     add_cluster_etcd_args(p)
     p.add_argument("--router", default=None, metavar="URL",
                    help="router base URL (default: the run dir's, else no router checks)")

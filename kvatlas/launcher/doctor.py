@@ -4,8 +4,9 @@ The chain, in the order a request depends on it: etcd answers; instances are reg
 each prefill instance its ranks are all registered, the bootstrap server resolves the topology
 and every rank, each rank's transfer socket accepts a connection, and a probe request (sent to
 the prefill and a decode with a fresh room, as the router would) reaches the decode stage
-``consumed`` for that room; then the router is ready, its breakers are closed, its index mirror
-is live and non-empty (an empty index silently turns KV routing into load routing), and a probe
+``consumed`` for that room; then the router is ready, its breakers are closed, every prefill's
+index links hold (``doctor_index``: all of them are reported before the chain stops), its index
+mirror is live and non-empty (an empty index silently turns KV routing into load routing), and a probe
 through the router is consumed on a decode.
 """
 from __future__ import annotations

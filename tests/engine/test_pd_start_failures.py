@@ -25,6 +25,7 @@ import engine.server as mono
 from engine.pd import prefill
 from engine.pd.state import RankContext
 from engine.runner import AsyncEngine
+from index import dp_union
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout
 from kvatlas.etcd_proc import free_port
@@ -56,7 +57,8 @@ STEPS: list[tuple[str, Any, str, int]] = [
     ("bootstrap_server", prefill, "make_runner", 1),
     ("index_writer", prefill, "BlockWriter", 1),
     ("event_feed", prefill, "EventFeed", 1),
-    ("second_subscriber", prefill, "KVEventSubscriber", 2),
+    # the other DP groups' subscribers are made by index.dp_union.subscribe_dp_ranks
+    ("second_subscriber", dp_union, "KVEventSubscriber", 2),
     ("put_route", prefill, "put_route", 1),
     ("bootstrap_client", prefill, "BootstrapClient", 1),
     ("model_path", mono, "prepare_model_path", 1),

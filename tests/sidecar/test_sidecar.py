@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import logging
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -259,6 +261,12 @@ async def test_events_of_every_dp_rank_are_indexed_and_another_block_size_is_rej
             _, kvs = await etcd.get_prefix(layout.blocks_prefix("tiny", "e0"))
             assert len(kvs) == 2  # one block from each DP rank, one instance
             assert sc.attachment is not None
+            shown = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-m", "kvatlas", "index", "stats", "--etcd",
+                                 etcd_settings.display, "--etcd-prefix", key_prefix],
+                capture_output=True, text=True, timeout=60)
+            assert shown.returncode == 0, shown.stderr
+            assert "block_size_mismatch 1" in shown.stdout, shown.stdout
     finally:
         for pub in publishers:
             await pub.close()
