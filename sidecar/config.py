@@ -65,11 +65,13 @@ class SidecarConfig:
     """Seconds the instance's keys outlive the sidecar."""
     health_interval: float = 0.5
     """Seconds between ``/health`` checks of the engine."""
-    health_timeout: float = 0.8
-    """Seconds one ``/health`` check may take before it counts as failed."""
+    health_timeout: float = 2.0
+    """Seconds one ``/health`` check may take before it counts as failed (SGLang's may run a
+    one-token generation: give it time under load)."""
     unhealthy_after: int = 2
-    """Consecutive failed checks that mark the engine unhealthy in its record (a dead engine:
-    about one second; a hung one: within interval + n * (timeout + interval))."""
+    """Consecutive failed checks that mark the engine unhealthy in its record (a dead engine,
+    whose port refuses: within about n * interval; a hung one: within interval + n * (timeout +
+    interval))."""
     unhealthy_grace: float = 20.0
     """Seconds an unhealthy engine keeps its record and blocks before the lease is revoked."""
     bootstrap_poll: float = 0.5

@@ -16,14 +16,18 @@ INFO_PATHS = ("/get_server_info", "/server_info")
 class EngineProbe:
     """Asks one engine; never raises on the engine's trouble, says what went wrong instead."""
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, info_timeout: float = 5.0) -> None:
         self.url = url
         self.timeout = timeout
+        self.info_timeout = info_timeout
+        """SGLang's server info asks its scheduler: slower under load than ``/health``."""
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        # No pooling across checks of a dead engine: each check is its own connection attempt.
+        # No pooling: each check is its own connection, so a restarted engine is never judged
+        # by a kept-alive connection to the process that died.
         self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True),
             timeout=aiohttp.ClientTimeout(total=self.timeout))
 
     async def close(self) -> None:
@@ -53,7 +57,9 @@ class EngineProbe:
         none (not an error: the record then says less)."""
         for path in INFO_PATHS:
             try:
-                async with self.session.get(f"{self.url}{path}") as resp:
+                async with self.session.get(
+                        f"{self.url}{path}",
+                        timeout=aiohttp.ClientTimeout(total=self.info_timeout)) as resp:
                     if resp.status != 200:
                         continue
                     doc = json.loads(await resp.text())

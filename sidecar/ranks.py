@@ -71,8 +71,10 @@ class RankPoller:
             # Before readiness SGLang answers 503 to every lookup; a restarted prefill too, and
             # its old addresses are stale then.
             self._set(NOT_READY, None, {}, exc.reason)
-        except BadResponse:
-            raise
+        except BadResponse as exc:
+            if exc.status is not None and exc.status < 500:
+                raise  # another kind of server (404, not JSON, not the document): fix the URL
+            self._set(UNREACHABLE, self.topology, self.ranks, exc.reason)
         except BootstrapError as exc:
             # Unreachable: the engine's health check decides what that means; keep the table.
             self._set(UNREACHABLE, self.topology, self.ranks, exc.reason)

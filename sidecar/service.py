@@ -20,6 +20,8 @@ import logging
 import time
 from typing import Any
 
+import zmq
+
 from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from bootstrap.errors import BadResponse
 from index.agent import WriterIndex, counters_doc
@@ -111,8 +113,13 @@ class Attachment:
                 self.writer = BlockWriter(self.session, cfg.layout, cfg.model, cfg.instance_id)
                 stack.push_async_callback(self.writer.close)
                 union = DPUnion(WriterIndex(self.writer))
-                self.subscribed = await subscribe_dp_ranks(
-                    union, cfg.instance_id, cfg.event_sources(), cfg.block_size, stack)
+                try:
+                    self.subscribed = await subscribe_dp_ranks(
+                        union, cfg.instance_id, cfg.event_sources(), cfg.block_size, stack)
+                except zmq.ZMQError as exc:
+                    raise SidecarError(cfg.instance_id, f"cannot bind KV-event endpoint "
+                                       f"{cfg.events.endpoint} (or a DP rank's port + r): {exc}; "
+                                       "check --kv-events and --dp-size") from None
                 ingestors = [i for i, _ in self.subscribed]
                 subs = [s for _, s in self.subscribed]
                 writer = self.writer
@@ -158,6 +165,10 @@ class Attachment:
                 # It answered SGLang's document before: log and keep the last good table.
                 logger.error("instance %s: %s", self.config.instance_id, exc)
                 continue
+            except Exception:  # noqa: BLE001 - the table must keep being read
+                logger.exception("instance %s: reading the bootstrap table failed",
+                                 self.config.instance_id)
+                continue
             if changed:
                 self.publish()
 
@@ -166,6 +177,13 @@ class Attachment:
         grace (False: the caller detaches)."""
         cfg, probe = self.config, self.sidecar.probe
         while not stop.is_set():
+            dead = next((t for t in self._tasks if t.done() and not t.cancelled()), None)
+            if dead is not None:
+                # A lease, key, writer or poller task that ended would freeze what etcd shows:
+                # start over under a new lease instead.
+                logger.error("instance %s: task %s ended (%r): re-attaching", cfg.instance_id,
+                             dead.get_name(), dead.exception())
+                return False
             error = await probe.health()
             now = time.monotonic()
             if error is None:
@@ -173,6 +191,8 @@ class Attachment:
                     logger.warning("instance %s: engine %s answers again; healthy",
                                    cfg.instance_id, cfg.engine_url)
                     self.healthy, self.unhealthy_since = True, None
+                    # Maybe a restarted process: what it serves may have changed.
+                    self.info = await probe.server_info() or self.info
                     self.publish()
                 self.failures = 0
             else:
@@ -249,6 +269,11 @@ class Sidecar:
             info = await self._wait_engine(stop)
             if info is None:
                 return
+            if self.attachments:
+                # After a revoke nobody holds the id: check again that no other sidecar took it
+                # (also the first check when etcd was away at start).
+                await ensure_id_free(self.client, cfg.layout.instance(cfg.instance_id),
+                                     cfg.instance_id, source=SOURCE)
             att = Attachment(self, info)
             try:
                 await att.start()

@@ -272,3 +272,45 @@ async def test_events_of_every_dp_rank_are_indexed_and_another_block_size_is_rej
             await pub.close()
         await boot.stop()
         await engine.stop()
+
+
+async def test_a_kv_event_port_in_use_is_an_error_naming_it(
+        etcd: EtcdClient, etcd_settings: EtcdSettings, key_prefix: str,
+        layout: KeyLayout) -> None:
+    engine = await EngineStub().start()
+    boot = await BootstrapStub("e0").start()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+    try:
+        cfg = config(etcd_settings, key_prefix, engine.url, role="prefill",
+                     bootstrap_url=boot.url, events=SubscriberConfig(endpoint=endpoint))
+        async with running(cfg) as (_, task):
+            with pytest.raises(SidecarError) as err:
+                await asyncio.wait_for(task, 10)
+        assert f"cannot bind KV-event endpoint {endpoint}" in str(err.value), err.value
+        assert await record_of(etcd, layout)() is None  # the lease it took is revoked
+    finally:
+        taken.close()
+        await boot.stop()
+        await engine.stop()
+
+
+async def test_a_bootstrap_server_answering_5xx_is_not_ready_not_fatal(
+        etcd: EtcdClient, etcd_settings: EtcdSettings, key_prefix: str,
+        layout: KeyLayout) -> None:
+    engine = await EngineStub().start()
+    engine.route = (502, "bad gateway")
+    try:
+        cfg = config(etcd_settings, key_prefix, engine.url, role="prefill",
+                     bootstrap_url=engine.url)
+        async with running(cfg) as (sc, task):
+            read = record_of(etcd, layout)
+            await until(read, 5.0)
+            await asyncio.sleep(0.5)
+            rec = await read()
+            assert not task.done() and sc.state == ATTACHED
+            assert rec is not None and not rec.ready and rec.registered_ranks == 0
+    finally:
+        await engine.stop()
