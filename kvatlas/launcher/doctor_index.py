@@ -75,8 +75,10 @@ def index_links(iid: str, health: dict[str, Any] | None,
                   "+ r) and the topic must match the sidecar's --topic"))
     canary = h.get("canary") or {}
     hits, misses = int(canary.get("hits") or 0), int(canary.get("misses") or 0)
-    mismatched = hits == 0 and misses >= MIN_MISSES
+    # Without events every canary misses: that cause is the link above, not this one.
+    mismatched = hits == 0 and misses >= MIN_MISSES and not silent
     links.append((f"{iid}: its blocks match the router's hashes", not mismatched,
+                  "not judged: no events arrive" if silent else
                   f"canaries (block hashes of prompts it served, looked up later): {hits} "
                   f"found, {misses} missing" if hits or misses else "no canary checked yet",
                   "its events arrive but hash to other blocks than the router's: the engine "
