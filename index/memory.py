@@ -12,6 +12,7 @@ from index.block_index import GPU, BlockIndex
 from index.keys import validate_model
 from index.reader import IndexReader, IndexStatus, InstanceDetail
 from index.table import BlockTable
+from index.tiers import TierMatch
 
 DEFAULT_MODEL = "default"
 """The model an index built without one answers for (``IndexReader.match``)."""
@@ -74,6 +75,9 @@ class MemoryBlockIndex(BlockIndex, IndexReader):
 
     def match(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
         return self.table.lookup(hashes) if model == self.model else {}
+
+    def match_tiers(self, model: str, hashes: Sequence[int]) -> dict[str, TierMatch]:
+        return self.table.lookup_tiers(hashes) if model == self.model else {}
 
     def version(self, model: str | None = None) -> Hashable:
         return self.table.version if model is None or model == self.model else 0

@@ -32,6 +32,7 @@ from index.follow import PrefixFollower
 from index.keys import KeyLayout, validate_instance_id, validate_model
 from index.reader import IndexReader, IndexStatus, InstanceDetail
 from index.table import GPU, BlockTable
+from index.tiers import TierMatch
 from index.writer import parse_hash_tail
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,10 @@ class BlockMirror(PrefixFollower, IndexReader):
     def match(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
         table = self.tables.get(model)
         return table.lookup(hashes) if table is not None else {}
+
+    def match_tiers(self, model: str, hashes: Sequence[int]) -> dict[str, TierMatch]:
+        table = self.tables.get(model)
+        return table.lookup_tiers(hashes) if table is not None else {}
 
     def version(self, model: str | None = None) -> Hashable:
         # Table versions are unique process-wide and a table never written is empty, so one

@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+from index.tiers import TierMatch
+
 
 @dataclass(frozen=True)
 class InstanceDetail:
@@ -59,6 +61,10 @@ class IndexReader(ABC):
         """``{instance: leading blocks of hashes it holds}`` in ``model``, longest prefix per
         instance; instances holding not even ``hashes[0]`` are left out. An unknown model
         answers ``{}`` (and asking must not make the index grow)."""
+
+    @abstractmethod
+    def match_tiers(self, model: str, hashes: Sequence[int]) -> dict[str, TierMatch]:
+        """``match``, with each instance's matched prefix split by cache tier."""
 
     @abstractmethod
     def version(self, model: str | None = None) -> Hashable:

@@ -24,6 +24,8 @@ from functools import reduce
 from itertools import count, repeat
 from operator import and_
 
+from index.tiers import DEVICE, DISK, HOST, TierMatch, tier_of
+
 GPU = "GPU"
 
 # Table versions come from one process-wide sequence: a version names one table's content, so
@@ -228,6 +230,26 @@ class BlockTable:
                         gpu = i
                         break
             out[name] = (m, gpu)
+        return out
+
+    def lookup_tiers(self, hashes: Sequence[int]) -> dict[str, TierMatch]:
+        """``lookup``, with each instance's matched prefix split by tier (``index.tiers``).
+        Free beyond ``lookup`` while every block is on the device (no media kept); else one
+        probe per matched block of the instances holding something elsewhere."""
+        matched = self.lookup(hashes)
+        if not matched:
+            return {}
+        media = self._media
+        if not media:
+            return {name: TierMatch(device=m) for name, m in matched.items()}
+        out: dict[str, TierMatch] = {}
+        for name, m in matched.items():
+            slot = self._slots[name]
+            counts = {DEVICE: 0, HOST: 0, DISK: 0}
+            for i in range(m):
+                per = media.get(hashes[i])
+                counts[tier_of(per.get(slot) if per is not None else None)] += 1
+            out[name] = TierMatch(counts[DEVICE], counts[HOST], counts[DISK])
         return out
 
     def medium(self, instance: str, h: int) -> str | None:

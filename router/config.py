@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 from index.etcd import EtcdSettings
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_model
+from index.tiers import TierWeights
 from tokenization import BYTE, TokenizerError, can_load, canonical_model
 from tokenization.assets import KNOWN_NAMES, is_known
 
@@ -127,6 +128,9 @@ class RouterConfig:
     prefill work. Above 1 because a hit also spares a duplicate copy of the prefix in another
     cache (bench/routing_quality.py, concurrency 6: 1.0 served ~6% fewer cached tokens than the
     old request-count load, 2.0 is within run-to-run noise of it)."""
+    tier_weights: TierWeights = field(default_factory=TierWeights)
+    """kv_aware: what a matched block is worth by the cache tier holding it (device 1.0, host
+    0.75, disk 0.25): a host or disk hit is copied to the device, not reused in place."""
     temperature: float = 0.0
     """0: lowest cost wins; > 0: softmax sampling over -cost / temperature."""
     prediction_ttl: float = 120.0
@@ -311,6 +315,14 @@ class RouterConfig:
         parser.add_argument("--block-size", type=int, default=d.block_size,
                             help="tokens per KV block (the engines' page size)")
         parser.add_argument("--overlap-weight", type=float, default=d.overlap_weight)
+        w = TierWeights()
+        parser.add_argument("--gpu-hit-weight", type=float, default=w.device,
+                            help=f"kv_aware: worth of a matched device block (default {w.device})")
+        parser.add_argument("--host-hit-weight", type=float, default=w.host,
+                            help="kv_aware: worth of a matched host (CPU) block "
+                                 f"(default {w.host})")
+        parser.add_argument("--disk-hit-weight", type=float, default=w.disk,
+                            help=f"kv_aware: worth of a matched disk block (default {w.disk})")
         parser.add_argument("--temperature", type=float, default=d.temperature,
                             help="kv_aware softmax temperature (0: argmin)")
         parser.add_argument("--prediction-ttl", type=float, default=d.prediction_ttl,
@@ -395,6 +407,8 @@ class RouterConfig:
             max_body=args.max_body, max_prompt_tokens=args.max_prompt_tokens,
             block_size=args.block_size,
             overlap_weight=args.overlap_weight, temperature=args.temperature,
+            tier_weights=TierWeights(args.gpu_hit_weight, args.host_hit_weight,
+                                     args.disk_hit_weight),
             prediction_ttl=args.prediction_ttl,
             prediction_catch_up=args.prediction_catch_up, work_half_life=args.work_half_life,
             canary_delay=args.canary_delay, canary_interval=args.canary_interval,

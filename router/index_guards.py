@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from index.hashing import BASE_SEED, namespace_seed
 from router.config import RouterConfig
@@ -34,6 +34,9 @@ from router.tokenizers import NO_MODEL
 from router.workers import ETCD, Worker
 
 logger = logging.getLogger(__name__)
+
+M = TypeVar("M")
+"""What a lookup answers per instance (a block count or a ``TierMatch``)."""
 
 BLOCK_SIZE, HASH_NAMESPACE, TOKENIZER = "block_size", "hash_namespace", "tokenizer"
 FIELDS = (BLOCK_SIZE, HASH_NAMESPACE, TOKENIZER)
@@ -107,7 +110,7 @@ class IndexGuards:
 
     # --- the hot path -------------------------------------------------------------------------
 
-    def filter(self, matches: dict[str, int]) -> dict[str, int]:
+    def filter(self, matches: dict[str, M]) -> dict[str, M]:
         """``matches`` (an index lookup) without the ignored instances."""
         ignored = self.ignored
         if not ignored or not matches:

@@ -57,6 +57,7 @@ from typing import Any, NamedTuple
 
 from index.hashing import namespace_seed
 from index.table import BlockTable
+from index.tiers import TierMatch
 from router.config import RouterConfig
 from router.policy import Choice, Policy, RouteContext
 from router.prompt_hashes import PromptHasher
@@ -64,6 +65,8 @@ from router.workers import Worker
 
 Lookup = Callable[[Sequence[int], "str | None"], dict[str, int]]
 """The block index read path: ``(prompt hashes, model) -> {instance: leading blocks held}``."""
+TierLookup = Callable[[Sequence[int], "str | None"], dict[str, TierMatch]]
+"""The same, each instance's match split by cache tier (``index.tiers``)."""
 
 
 
@@ -83,6 +86,11 @@ class Score(NamedTuple):
     """Of ``matched``, the blocks the index shows."""
     predicted: int
     """Leading blocks the router's own prediction counts as held there (index aside)."""
+    tiers: TierMatch | None
+    """The index's match there by cache tier (None: no index match)."""
+    credited: float
+    """The matched blocks the cost credits: a device block 1, a host or disk block its tier's
+    weight (``RouterConfig.tier_weights``); predicted blocks are being computed on the device."""
 
 
 # A Score without the generated __new__'s Python frame: this runs once per candidate per
@@ -277,10 +285,14 @@ class KvAware(Policy):
     def __init__(self, config: RouterConfig, lookup: Lookup | None = None,
                  rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 index_version: Callable[[], Hashable] | None = None) -> None:
+                 index_version: Callable[[], Hashable] | None = None,
+                 tier_lookup: TierLookup | None = None) -> None:
         super().__init__(rng)
         self.config = config
         self.lookup = lookup
+        self.tier_lookup = tier_lookup
+        """Optional: the index's match by tier; without it every index block is a device one."""
+        self.weights = config.tier_weights
         self.index_version = index_version
         """Optional: a value that changes whenever ``lookup``'s answers may change. With it, a
         prediction found unconfirmed is not asked about again until the index changes."""
@@ -302,7 +314,12 @@ class KvAware(Policy):
         hashes = ctx.hashes(self.hasher, self.seed)
         n = len(hashes)
         lookup = self.lookup
-        indexed = lookup(hashes, ctx.model) if (lookup and n) else {}
+        tiers: dict[str, TierMatch] = {}
+        if self.tier_lookup is not None and n:
+            tiers = self.tier_lookup(hashes, ctx.model)
+            indexed = {iid: t.blocks for iid, t in tiers.items()}
+        else:
+            indexed = lookup(hashes, ctx.model) if (lookup and n) else {}
         known, pending = self._indexed, self._pending
         if indexed:
             known.update(indexed)
@@ -318,22 +335,27 @@ class KvAware(Policy):
         weight = cfg.overlap_weight
         work = self.work.blocks
         scored: list[Score] = []
+        weights = self.weights
         for w in workers:
             iid = w.instance_id
             m_index = indexed.get(iid, 0) if indexed else 0
             m_pred = predicted.get(iid, 0) if predicted else 0
+            tier = tiers.get(iid) if tiers else None
             load = work(w, now)
             if m_pred > m_index:
                 # Predicted-only blocks are being (or were just) computed there by requests
                 # counted in its load: this prompt needs them anyway, so they do not delay it.
                 m = m_pred
                 load -= m_pred - m_index
+                credited = float(m)
             else:
                 m = m_index
+                # A host or disk block saves less than a device one: it is copied, not reused.
+                credited = float(m) if tier is None or tier.device == m else tier.credit(weights)
             if load < 0.0:
                 load = 0.0
-            scored.append(_score(Score, (float((n - m) * weight + load), w.load, m, w, load,
-                                         m_index, m_pred)))
+            scored.append(_score(Score, ((n - credited) * weight + load, w.load, m, w, load,
+                                         m_index, m_pred, tier, credited)))
         if cfg.temperature > 0 and len(scored) > 1:
             pick = self._sample(scored, cfg.temperature)
         else:
@@ -423,6 +445,8 @@ class KvAware(Policy):
 
 def _candidates(scored: list[Score]) -> list[dict[str, Any]]:
     return [{"instance_id": s.worker.instance_id, "matched_blocks": s.matched,
-             "index_blocks": s.indexed, "predicted_blocks": s.predicted, "load": s.load,
+             "index_blocks": s.indexed, "predicted_blocks": s.predicted,
+             "index_tiers": s.tiers.as_dict() if s.tiers is not None else None,
+             "credited_blocks": round(s.credited, 3), "load": s.load,
              "load_blocks": round(s.load_blocks, 3), "cost": s.cost}
             for s in sorted(scored, key=lambda s: (s.cost, s.load))]

@@ -9,6 +9,7 @@ from typing import Any
 
 from index.hashing import BASE_SEED
 from index.reader import IndexReader
+from index.tiers import TierMatch
 from router.canary import Canaries
 from router.config import RouterConfig
 from router.discovery import InstanceDiscovery
@@ -39,7 +40,8 @@ class RouterState:
         self.started_at = time.time()
         self.prefill_policy: Policy = make_policy(config.effective_prefill_policy,
                                                   config=config, lookup=self.index_lookup,
-                                                  index_version=self.index_version)
+                                                  index_version=self.index_version,
+                                                  tier_lookup=self.index_lookup_tiers)
         decode_name = config.effective_decode_policy
         # Decodes hold no reusable prefix: kv_aware on the decode side means load only.
         self.decode_policy: Policy = make_policy(
@@ -74,14 +76,27 @@ class RouterState:
         found = self.index_match(hashes, model)
         return self.guards.filter(found) if found else found
 
+    def index_lookup_tiers(self, hashes: Sequence[int], model: str | None
+                           ) -> dict[str, TierMatch]:
+        """``index_lookup`` with each match split by cache tier (kv_aware's cost reads it)."""
+        index = self.index
+        if index is None or not index.ready:
+            return {}
+        name = self._index_model(index, model)
+        found = index.match_tiers(name, hashes) if name else {}
+        return self.guards.filter(found) if found else found
+
+    def _index_model(self, index: IndexReader, model: str | None) -> str | None:
+        # An index of one model answers for it whatever the request names (the pools serve
+        # that model only); otherwise the request's model, the configured one, or the only one.
+        return index.model or model or self.config.model or self._only_model(index)
+
     def index_match(self, hashes: Sequence[int], model: str | None) -> dict[str, int]:
         """The index's match for a request's ``model``, every instance included."""
         index = self.index
         if index is None or not index.ready:
             return {}
-        # An index of one model answers for it whatever the request names (the pools serve
-        # that model only); otherwise the request's model, the configured one, or the only one.
-        name = index.model or model or self.config.model or self._only_model(index)
+        name = self._index_model(index, model)
         # An unknown name answers {} without growing the index (memory would follow clients).
         return index.match(name, hashes) if name else {}
 

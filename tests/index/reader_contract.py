@@ -49,6 +49,21 @@ class ReaderContract:
         st = reader.status()
         assert st.ready and st.connected and st.blocks == 0
 
+    async def test_match_tiers_split_the_matched_prefix_by_medium(
+            self, make_reader: MakeReader) -> None:
+        reader, writer = await make_reader()
+        prompt = chain_of(8)
+        await writer.add("a", None, prompt[:3])  # the device (GPU by default)
+        await writer.add("a", prompt[2], prompt[3:5], "CPU_PINNED")
+        await writer.add("a", prompt[4], prompt[5:6], "DISK")
+        await writer.add("b", None, prompt[:2], "CPU")
+        await self.settle(writer)
+        tiers = reader.match_tiers(MODEL, prompt)
+        assert {k: v.as_dict() for k, v in tiers.items()} == {
+            "a": {"device": 3, "host": 2, "disk": 1}, "b": {"device": 0, "host": 2, "disk": 0}}
+        assert {k: v.blocks for k, v in tiers.items()} == reader.match(MODEL, prompt)
+        assert reader.match_tiers("other/model", prompt) == {}
+
     async def test_match_is_the_longest_prefix_per_instance(self, make_reader: MakeReader) -> None:
         reader, writer = await make_reader()
         prompt = chain_of(8)

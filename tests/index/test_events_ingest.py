@@ -197,6 +197,24 @@ async def test_offloaded_copies_are_tracked_per_medium() -> None:
     assert idx.instances() == set() and ing.engine_hashes == 0
 
 
+async def test_a_gpu_eviction_then_a_host_store_keeps_the_host_credit() -> None:
+    """SGLang's hierarchical cache evicts a block from the GPU (BlockRemoved, medium GPU) and
+    then stores it on the host (BlockStored, medium CPU_PINNED): the prefix stays matched, its
+    tail on the host tier, instead of vanishing with the GPU copy."""
+    eng = SimEngine(BS)
+    idx, ing = make()
+    tokens = PROMPT[:3 * BS]
+    hs = own(tokens, BS)
+    await ing.on_batch(0, wire(eng.vllm_store(tokens, medium="GPU")))
+    gpu_gone = eng.remove(tokens, [1, 2])
+    await ing.on_batch(1, wire(BlockRemoved(gpu_gone.block_hashes, "GPU")))
+    assert idx.lookup(hs) == {"p0": 1}
+    await ing.on_batch(2, wire(eng.vllm_store(tokens, start_block=1, medium="CPU_PINNED")))
+    assert idx.lookup(hs) == {"p0": 3}
+    assert idx.match_tiers(idx.model, hs)["p0"].as_dict() == {"device": 1, "host": 2, "disk": 0}
+    assert [idx.medium("p0", h) for h in hs] == ["GPU", "CPU_PINNED", "CPU_PINNED"]
+
+
 def _fields(ev: BlockStored) -> dict:
     return {f: getattr(ev, f) for f in BlockStored.__slots__}
 
