@@ -133,6 +133,9 @@ class RouterConfig:
     0.75, disk 0.25): a host or disk hit is copied to the device, not reused in place."""
     temperature: float = 0.0
     """0: lowest cost wins; > 0: softmax sampling over -cost / temperature."""
+    explain_routes: bool = False
+    """Every answer carries ``X-Kvatlas-Route`` (the decision and its cost terms); otherwise
+    only answers to requests sending ``X-Kvatlas-Explain: 1``."""
     prediction_ttl: float = 120.0
     """Seconds a routed prompt's blocks count as held by the chosen prefill before events arrive."""
     prediction_catch_up: float = 5.0
@@ -323,6 +326,10 @@ class RouterConfig:
                                  f"(default {w.host})")
         parser.add_argument("--disk-hit-weight", type=float, default=w.disk,
                             help=f"kv_aware: worth of a matched disk block (default {w.disk})")
+        parser.add_argument("--explain-routes", action="store_true",
+                            help="add X-Kvatlas-Route (the decision, its cost terms) to every "
+                                 "answer (default: only when the request sends "
+                                 "X-Kvatlas-Explain: 1)")
         parser.add_argument("--temperature", type=float, default=d.temperature,
                             help="kv_aware softmax temperature (0: argmin)")
         parser.add_argument("--prediction-ttl", type=float, default=d.prediction_ttl,
@@ -407,6 +414,7 @@ class RouterConfig:
             max_body=args.max_body, max_prompt_tokens=args.max_prompt_tokens,
             block_size=args.block_size,
             overlap_weight=args.overlap_weight, temperature=args.temperature,
+            explain_routes=args.explain_routes,
             tier_weights=TierWeights(args.gpu_hit_weight, args.host_hit_weight,
                                      args.disk_hit_weight),
             prediction_ttl=args.prediction_ttl,

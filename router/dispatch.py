@@ -24,6 +24,7 @@ from typing import Any
 
 from router.client_ids import ClientRid, RidEcho, engine_rid
 from router.errors import NoWorkers
+from router.explain import EXPLAIN_HEADER, explain, last_cached_tokens, reported_cached_tokens, wanted
 from router.http.client import UpstreamError, UpstreamResponse
 from router.http.headers import encode_headers
 from router.http.server import Request, Response, Stream
@@ -92,6 +93,7 @@ class Dispatcher:
         state, cfg = self.state, self.state.config
         ctx = RouteContext(parsed.prompts[0], parsed.model or cfg.model, parsed.hashes)
         wire_headers = encode_headers(headers)
+        explaining = wanted(request.headers, cfg)
         failed: set[str] = set()
         last: Failure | None = None
         rid: ClientRid | None = None
@@ -114,8 +116,11 @@ class Dispatcher:
                 echo = RidEcho(rid, client_rid)
             body, rooms = inject(parsed, p.bootstrap_host, p.bootstrap_port, rid)
             state.on_routed(pair)
+            reply = {"x-request-id": request_id}
+            if explaining:
+                reply[EXPLAIN_HEADER] = explain(pair, cfg, state.prefill_policy.name)
             result = await self._attempt(request, path, pair, body, wire_headers, parsed.stream,
-                                         request_id, echo)
+                                         reply, echo)
             if not isinstance(result, Failure):
                 if not isinstance(result, Response) or result.status < 400:
                     # Served (a stream only starts on the decode's 200): the prefill computed
@@ -132,8 +137,10 @@ class Dispatcher:
                         {"x-request-id": request_id})
 
     async def _attempt(self, request: Request, path: str, pair: Pair, body: bytes,
-                       headers: bytes, stream: bool, request_id: str,
+                       headers: bytes, stream: bool, reply: dict[str, str],
                        echo: RidEcho | None) -> Response | Stream | Failure:
+        """One attempt; ``reply``: the headers of the client's answer (its request id, and
+        the route's explanation when asked for)."""
         prefill, decode = pair.prefill.worker, pair.decode.worker
         prefill.requests += 1
         decode.requests += 1
@@ -194,16 +201,18 @@ class Dispatcher:
                 err = _prefill_error(prefill_call)
                 if err is not None:
                     return self._prefill_failure(prefill, err)
+            if status == 200:
+                self.state.metrics.engine_cached.inc(reported_cached_tokens(first))
             if echo is not None:
                 first = echo.whole(first)
-            return Response(status, first, resp.content_type, {"x-request-id": request_id})
+            return Response(status, first, resp.content_type, reply)
         err = _prefill_error(prefill_call)
         if err is not None:
             # The decode started streaming but its KV source failed: nothing sent yet, retry.
             decode.load -= 1
             resp.close()
             return self._prefill_failure(prefill, err)
-        return await self._stream(request, decode, resp, first, request_id, t0, prefill_call,
+        return await self._stream(request, decode, resp, first, reply, t0, prefill_call,
                                   echo)
 
     def _prefill_failure(self, prefill: Worker, err: str) -> Failure:
@@ -232,16 +241,18 @@ class Dispatcher:
             decode_call.cancel()
 
     async def _stream(self, request: Request, decode: Worker, upstream: UpstreamResponse,
-                      first: bytes, request_id: str, t0: float,
+                      first: bytes, reply: dict[str, str], t0: float,
                       prefill_call: asyncio.Future[UpstreamResponse],
                       echo: RidEcho | None) -> Stream:
         ended = broken = False
+        request_id = reply["x-request-id"]
+        cached = 0
         try:
             out = await request.stream(upstream.status, upstream.headers.get(
-                "content-type", "text/event-stream"),
-                {"cache-control": "no-cache", "x-request-id": request_id})
+                "content-type", "text/event-stream"), {"cache-control": "no-cache", **reply})
             chunk = first
             while chunk:
+                cached = last_cached_tokens(chunk, cached)
                 await out.write(chunk if echo is None else echo.chunk(chunk))
                 chunk = await upstream.read_chunk()
             if echo is not None:
@@ -265,6 +276,7 @@ class Dispatcher:
             if ended:
                 upstream.release()
                 _record(self.state, decode, 200)
+                self.state.metrics.engine_cached.inc(cached)
             else:
                 # Closing both connections is how the engines learn to abort the request.
                 upstream.close()

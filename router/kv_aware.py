@@ -336,6 +336,7 @@ class KvAware(Policy):
         work = self.work.blocks
         scored: list[Score] = []
         weights = self.weights
+        top = 0
         for w in workers:
             iid = w.instance_id
             m_index = indexed.get(iid, 0) if indexed else 0
@@ -354,6 +355,8 @@ class KvAware(Policy):
                 credited = float(m) if tier is None or tier.device == m else tier.credit(weights)
             if load < 0.0:
                 load = 0.0
+            if m > top:
+                top = m
             scored.append(_score(Score, ((n - credited) * weight + load, w.load, m, w, load,
                                          m_index, m_pred, tier, credited)))
         if cfg.temperature > 0 and len(scored) > 1:
@@ -372,7 +375,7 @@ class KvAware(Policy):
             pick = self.rng.choice(ties)
         return Choice(pick.worker, lambda: _candidates(scored), matched_blocks=pick.matched,
                       prompt_blocks=n, hashes=hashes, indexed_blocks=pick.indexed,
-                      model=ctx.model)
+                      model=ctx.model, best_matched=top)
 
     def _catch_up(self, instance: str, now: float, version: Hashable = _UNVERSIONED) -> None:
         """Settle ``instance``'s predictions the index has caught up with or that are too old."""

@@ -16,6 +16,7 @@ from router.breaker import STATE_CODES
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                    60, 300)
+REGRET_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
 
 
@@ -148,6 +149,17 @@ class RouterMetrics:
                               "up in the block index a little later (hit: the index holds its "
                               "first block there; miss: it does not)", ["instance", "result"],
                               registry=r)
+        self.route_regret = Histogram(
+            "kvatlas_router_route_regret_blocks",
+            "Per prefill decision: the best overlap any candidate had minus the chosen one's, "
+            "in blocks (load outweighed the rest)", registry=r, buckets=REGRET_BUCKETS)
+        self.not_best_picks = Counter("kvatlas_router_not_best_overlap_picks",
+                                      "Prefill picks whose overlap was below the best "
+                                      "candidate's", registry=r)
+        self.engine_cached_tokens = Counter(
+            "kvatlas_router_engine_cached_tokens",
+            "Cached prompt tokens the engines reported in their answers (compare with "
+            "kvatlas_router_prefix_hit_tokens, what the router predicted)", registry=r)
         self.prompt_tokens = Counter("kvatlas_router_prompt_tokens", "Prompt tokens routed",
                                      registry=r)
         self.retries = Counter("kvatlas_router_retries", "Attempts after the first", ["route"],
@@ -195,8 +207,12 @@ class RouterMetrics:
         self.index_hit = _fast(self.index_hit_tokens)
         self.predicted_hit = _fast(self.predicted_hit_tokens)
         self.prompt = _fast(self.prompt_tokens)
+        self.regret = _fast(self.route_regret)
+        self.not_best = _fast(self.not_best_picks)
+        self.engine_cached = _fast(self.engine_cached_tokens)
         self._unlabelled = [*self.latency.values(), self.decision, self.prefix_hit,
-                            self.index_hit, self.predicted_hit, self.prompt]
+                            self.index_hit, self.predicted_hit, self.prompt, self.regret,
+                            self.not_best, self.engine_cached]
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, reused; counters and histograms come as their fast

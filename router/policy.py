@@ -62,13 +62,13 @@ class Choice:
     """A policy's pick and what /debug/route and ``on_routed`` need to know about it."""
 
     __slots__ = ("worker", "_candidates", "_build", "matched_blocks", "prompt_blocks", "hashes",
-                 "indexed_blocks", "model")
+                 "indexed_blocks", "model", "best_matched")
 
     def __init__(self, worker: Worker,
                  candidates: list[dict[str, Any]] | Callable[[], list[dict[str, Any]]] | None
                  = None, matched_blocks: int = 0, prompt_blocks: int = 0,
                  hashes: list[int] | None = None, indexed_blocks: int = 0,
-                 model: str | None = None) -> None:
+                 model: str | None = None, best_matched: int | None = None) -> None:
         self.worker = worker
         # Built only when read (/debug/route): routing a request never needs them.
         self._candidates = None if callable(candidates) else (candidates or [])
@@ -80,6 +80,8 @@ class Choice:
         """Of ``matched_blocks``, those the block index shows (the rest are router predictions)."""
         self.model = model
         """The request's model (its index namespace)."""
+        self.best_matched = matched_blocks if best_matched is None else best_matched
+        """The longest overlap any candidate had: above ``matched_blocks`` when load won."""
 
     @property
     def candidates(self) -> list[dict[str, Any]]:

@@ -207,6 +207,10 @@ class RouterState:
         m.index_hit.inc(p.indexed_blocks * bs)
         m.predicted_hit.inc((p.matched_blocks - p.indexed_blocks) * bs)
         m.prompt.inc(p.prompt_blocks * bs)
+        regret = p.best_matched - p.matched_blocks
+        m.regret.observe(regret)
+        if regret > 0:
+            m.not_best.inc()
 
     def refresh_gauges(self) -> None:
         m = self.metrics

@@ -42,6 +42,9 @@ class StubWorker:
         """When set, every request waits for this event before it is answered."""
         self.cancelled = 0
         """Requests whose connection the router closed before the answer was complete."""
+        self.cached_tokens: int | None = None
+        """When set, answers report it as ``meta_info.cached_tokens`` (a stream: every event
+        carries the running count, as SGLang's do)."""
         self._cancelled_more = asyncio.Event()
         self.in_flight: set[str] = set()
         """The ``rid`` values being served: a second one in flight gets a 409, as engines do."""
@@ -122,9 +125,11 @@ class StubWorker:
         if isinstance(rid, list):  # a batch: one answer per item, as SGLang gives
             return web.json_response([{"text": f"from {self.name}", "worker": self.name,
                                        "meta_info": {"id": r}} for r in rid])
+        meta: dict[str, Any] = {"id": rid or request.headers.get("x-request-id")}
+        if self.cached_tokens is not None:
+            meta["cached_tokens"] = self.cached_tokens
         return web.json_response({"text": f"from {self.name}", "worker": self.name,
-                                  "room": body.get("bootstrap_room"),
-                                  "meta_info": {"id": rid or request.headers.get("x-request-id")}})
+                                  "room": body.get("bootstrap_room"), "meta_info": meta})
 
     async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -132,6 +137,8 @@ class StubWorker:
         for i in range(self.stream_chunks):
             chunk = {"text": f"tok{i}", "worker": self.name, "room": body.get("bootstrap_room"),
                      "meta_info": {"id": body.get("rid")}}
+            if self.cached_tokens is not None:
+                chunk["meta_info"]["cached_tokens"] = self.cached_tokens
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             if i == 0 and self.release_stream is not None:
                 await self.release_stream.wait()
