@@ -27,6 +27,7 @@ from router.errors import RouterError
 from router.handlers import Services
 from router.health import HealthChecker
 from router.http.server import HttpServer, Request, Response, Stream
+from router.load_scraper import LoadScraper
 from router.state import RouterState
 from router.upstreams import Upstreams
 
@@ -42,6 +43,8 @@ class RouterApp:
         self.upstreams = Upstreams(config, self.state.pools)
         self.dispatcher = Dispatcher(self.state, self.upstreams)
         self.health = HealthChecker(config, self.state.pools, self.upstreams)
+        self.load = LoadScraper(self.state.pools, self.upstreams, config.load_interval or 1.0,
+                                config.health_timeout)
         self.server = HttpServer(self.handle, max_body=config.max_body,
                                  read_timeout=config.client_read_timeout,
                                  limit_hint=" (router --max-body)", on_reject=self._rejected)
@@ -68,7 +71,9 @@ class RouterApp:
                 ("DELETE", "/workers", handlers.delete_worker),
                 ("GET", "/metrics", handlers.metrics),
                 ("POST", "/debug/route", handlers.debug_route),
-                ("GET", "/debug/index_health", handlers.index_health)):
+                ("GET", "/debug/index_health", handlers.index_health),
+                ("GET", "/admin/thresholds", handlers.get_thresholds),
+                ("PUT", "/admin/thresholds", handlers.put_thresholds)):
             self.routes.setdefault(path, {})[method] = functools.partial(handler, svc)
         for methods in self.routes.values():
             if "GET" in methods:
@@ -123,6 +128,9 @@ class RouterApp:
             await self._stack.enter_async_context(self._etcd_ctx())
             await self._stack.enter_async_context(self._health_ctx())
             await self._stack.enter_async_context(self._canary_ctx())
+            if self.config.load_interval > 0:
+                await self._stack.enter_async_context(_background(
+                    self.load.run(), "router-engine-load"))
             self._stack.push_async_callback(
                 lambda: self.server.close(grace=self.config.shutdown_grace))
             self.port = await self.server.start(host or self.config.host,

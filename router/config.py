@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 from index.etcd import EtcdSettings
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_model
 from index.tiers import TierWeights
+from router.engine_load import check_thresholds
 from tokenization import BYTE, TokenizerError, can_load, canonical_model
 from tokenization.assets import KNOWN_NAMES, is_known
 
@@ -133,6 +134,14 @@ class RouterConfig:
     0.75, disk 0.25): a host or disk hit is copied to the device, not reused in place."""
     temperature: float = 0.0
     """0: lowest cost wins; > 0: softmax sampling over -cost / temperature."""
+    load_interval: float = 1.0
+    """Seconds between reads of every worker's ``/metrics`` (its own queue, running requests,
+    KV usage: router/engine_load.py); 0 turns scraping off."""
+    busy_queue: int | None = None
+    """A worker whose engine reports this many queued requests is not chosen while another is
+    not busy (None: off). ``PUT /admin/thresholds`` changes it at run time."""
+    busy_kv_usage: float | None = None
+    """The same for the engine's KV-cache usage, a fraction in (0, 1] (None: off)."""
     explain_routes: bool = False
     """Every answer carries ``X-Kvatlas-Route`` (the decision and its cost terms); otherwise
     only answers to requests sending ``X-Kvatlas-Explain: 1``."""
@@ -246,7 +255,9 @@ class RouterConfig:
                      "prediction_ttl", "retry_backoff_multiplier"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_thresholds(self.busy_queue, self.busy_kv_usage)
         for name in ("overlap_weight", "temperature", "prediction_catch_up", "work_half_life",
+                     "load_interval",
                      "canary_delay", "canary_interval",
                      "shutdown_grace", "queue_size", "queue_timeout",
                      "breaker_timeout", "retry_initial_backoff",
@@ -326,6 +337,13 @@ class RouterConfig:
                                  f"(default {w.host})")
         parser.add_argument("--disk-hit-weight", type=float, default=w.disk,
                             help=f"kv_aware: worth of a matched disk block (default {w.disk})")
+        parser.add_argument("--load-interval", type=float, default=d.load_interval,
+                            help="seconds between reads of the workers' /metrics (engine queue, "
+                                 f"running, KV usage; 0: off; default {d.load_interval:g})")
+        parser.add_argument("--busy-queue", type=int, default=None,
+                            help="engine queue length at which a worker is busy (default off)")
+        parser.add_argument("--busy-kv-usage", type=float, default=None,
+                            help="engine KV usage (0..1] at which a worker is busy (default off)")
         parser.add_argument("--explain-routes", action="store_true",
                             help="add X-Kvatlas-Route (the decision, its cost terms) to every "
                                  "answer (default: only when the request sends "
@@ -414,7 +432,8 @@ class RouterConfig:
             max_body=args.max_body, max_prompt_tokens=args.max_prompt_tokens,
             block_size=args.block_size,
             overlap_weight=args.overlap_weight, temperature=args.temperature,
-            explain_routes=args.explain_routes,
+            explain_routes=args.explain_routes, load_interval=args.load_interval,
+            busy_queue=args.busy_queue, busy_kv_usage=args.busy_kv_usage,
             tier_weights=TierWeights(args.gpu_hit_weight, args.host_hit_weight,
                                      args.disk_hit_weight),
             prediction_ttl=args.prediction_ttl,

@@ -12,6 +12,7 @@ from router.admission import Admission
 from router.client_ids import client_rid, new_request_id
 from router.config import parse_bootstrap_port
 from router.dispatch import HOP_HEADERS, Dispatcher, json_error
+from router.engine_load import check_thresholds
 from router.errors import BadRequest, RouterError
 from router.http.server import Request, Response, Stream, json_response
 from router.json_body import load_json
@@ -262,3 +263,32 @@ async def metrics(svc: Services, request: Request) -> Response:
     state = svc.state
     state.refresh_gauges()
     return Response(200, state.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+
+
+async def get_thresholds(svc: Services, request: Request) -> Response:
+    return json_response(svc.state.thresholds.describe())
+
+
+async def put_thresholds(svc: Services, request: Request) -> Response:
+    """Change the busy thresholds at run time: a JSON object with ``busy_queue`` and/or
+    ``busy_kv_usage`` (null turns one off); keys left out stay as they are."""
+    denied = _check_admin(svc, request)
+    if denied is not None:
+        return denied
+    doc = load_json(request.body) if request.body else None
+    if not isinstance(doc, dict) or not doc:
+        raise BadRequest("", "send a JSON object with busy_queue and/or busy_kv_usage")
+    unknown = sorted(set(doc) - {"busy_queue", "busy_kv_usage"})
+    if unknown:
+        raise BadRequest(unknown[0], "is not a threshold; use busy_queue or busy_kv_usage")
+    th = svc.state.thresholds
+    queue = doc.get("busy_queue", th.busy_queue)
+    usage = doc.get("busy_kv_usage", th.busy_kv_usage)
+    try:
+        check_thresholds(queue, usage)
+    except ValueError as exc:
+        field = "busy_queue" if str(exc).startswith("busy_queue") else "busy_kv_usage"
+        raise BadRequest(field, str(exc).split(" ", 1)[1]) from None
+    th.busy_queue, th.busy_kv_usage = queue, usage
+    logger.info("busy thresholds now %s", th.describe())
+    return json_response(th.describe())

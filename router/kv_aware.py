@@ -59,6 +59,7 @@ from index.hashing import namespace_seed
 from index.table import BlockTable
 from index.tiers import TierMatch
 from router.config import RouterConfig
+from router.engine_load import fresh
 from router.policy import Choice, Policy, RouteContext
 from router.prompt_hashes import PromptHasher
 from router.workers import Worker
@@ -303,6 +304,9 @@ class KvAware(Policy):
         self._clock = clock
         self.prediction = Prediction(config.prediction_ttl, config.prediction_max_blocks, clock)
         self.work = WorkLoad(config.work_half_life, clock)
+        self.mean_work = 1.0
+        """Blocks of prefill work per routed request (a moving average): what one request an
+        engine reports but this router did not send is taken to cost."""
         # Instances whose blocks the index has shown: their predictions only bridge its lag.
         self._indexed: set[str] = set()
         # Per instance: (prediction seq, model, last hash) of predictions not yet confirmed.
@@ -343,6 +347,8 @@ class KvAware(Policy):
             m_pred = predicted.get(iid, 0) if predicted else 0
             tier = tiers.get(iid) if tiers else None
             load = work(w, now)
+            if w.engine is not None:
+                load += self._unseen_work(w, now)
             if m_pred > m_index:
                 # Predicted-only blocks are being (or were just) computed there by requests
                 # counted in its load: this prompt needs them anyway, so they do not delay it.
@@ -376,6 +382,16 @@ class KvAware(Policy):
         return Choice(pick.worker, lambda: _candidates(scored), matched_blocks=pick.matched,
                       prompt_blocks=n, hashes=hashes, indexed_blocks=pick.indexed,
                       model=ctx.model, best_matched=top)
+
+    def _unseen_work(self, worker: Worker, now: float) -> float:
+        """Work at ``worker`` its engine reports and this router did not send (other routers'
+        requests, direct clients): its queued and running requests beyond the router's own
+        in-flight count there, at the mean work of a request."""
+        load = fresh(worker.engine, now, self.config.load_interval)
+        if load is None:
+            return 0.0
+        unseen = load.queue + load.running - worker.load
+        return unseen * self.mean_work if unseen > 0 else 0.0
 
     def _catch_up(self, instance: str, now: float, version: Hashable = _UNVERSIONED) -> None:
         """Settle ``instance``'s predictions the index has caught up with or that are too old."""
@@ -422,7 +438,9 @@ class KvAware(Policy):
     def on_routed(self, choice: Choice) -> None:
         instance = choice.worker.instance_id
         n = choice.prompt_blocks
-        self.work.add(instance, max(n - choice.matched_blocks, 1))
+        work = max(n - choice.matched_blocks, 1)
+        self.work.add(instance, work)
+        self.mean_work += (work - self.mean_work) * 0.05
         if not choice.hashes or choice.indexed_blocks >= n:
             return  # fully indexed there already: a prediction could only resurrect evictions
         seq = self.prediction.add(instance, choice.hashes)

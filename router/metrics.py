@@ -13,6 +13,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from router.breaker import STATE_CODES
+from router.engine_load import fresh
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                    60, 300)
@@ -160,6 +161,21 @@ class RouterMetrics:
             "kvatlas_router_engine_cached_tokens",
             "Cached prompt tokens the engines reported in their answers (compare with "
             "kvatlas_router_prefix_hit_tokens, what the router predicted)", registry=r)
+        self.engine_queue = Gauge("kvatlas_router_engine_queue",
+                                  "Queued requests the worker's engine reports (its /metrics)",
+                                  ["role", "instance"], registry=r)
+        self.engine_running = Gauge("kvatlas_router_engine_running",
+                                    "Running requests the worker's engine reports",
+                                    ["role", "instance"], registry=r)
+        self.engine_kv_usage = Gauge("kvatlas_router_engine_kv_usage",
+                                     "KV-cache usage (0..1) the worker's engine reports",
+                                     ["role", "instance"], registry=r)
+        self.busy_workers = Gauge("kvatlas_router_busy_workers",
+                                  "Workers over a busy threshold (queue or KV usage)", ["role"],
+                                  registry=r)
+        self.busy_fallbacks = Counter("kvatlas_router_busy_fallbacks",
+                                      "Decisions made among busy workers because every "
+                                      "available one was busy", ["role"], registry=r)
         self.prompt_tokens = Counter("kvatlas_router_prompt_tokens", "Prompt tokens routed",
                                      registry=r)
         self.retries = Counter("kvatlas_router_retries", "Attempts after the first", ["route"],
@@ -248,6 +264,26 @@ class RouterMetrics:
             metric.remove(*labels)
         except KeyError:
             pass
+
+    def set_engine_loads(self, workers: list, now: float, interval: float,
+                         thresholds: Any) -> None:
+        """The engines' reported load per worker (stale readings left out) and the busy
+        count per role."""
+        for g in (self.engine_queue, self.engine_running, self.engine_kv_usage):
+            g.clear()
+        busy = {"prefill": 0, "decode": 0}
+        for w in workers:
+            load = fresh(w.engine, now, interval)
+            if load is None or w.shadowed_by is not None:
+                continue
+            self.engine_queue.labels(w.role, w.instance_id).set(load.queue)
+            self.engine_running.labels(w.role, w.instance_id).set(load.running)
+            if load.kv_usage is not None:
+                self.engine_kv_usage.labels(w.role, w.instance_id).set(load.kv_usage)
+            if thresholds.busy(load):
+                busy[w.role] = busy.get(w.role, 0) + 1
+        for role, n in busy.items():
+            self.busy_workers.labels(role).set(n)
 
     def set_breakers(self, workers: list) -> None:
         self.breaker_state.clear()

@@ -13,6 +13,7 @@ from index.tiers import TierMatch
 from router.canary import Canaries
 from router.config import RouterConfig
 from router.discovery import InstanceDiscovery
+from router.engine_load import Thresholds, fresh
 from router.errors import NoWorkers, UnknownModel
 from router.index_guards import IndexGuards
 from router.metrics import RouterMetrics
@@ -50,6 +51,8 @@ class RouterState:
         self.tokenizers = Tokenizers(config, self.metrics, self._served_model)
         """Per model, the tokenizer text prompts are encoded with (``start`` loads the flags')."""
         self.pools.listeners.append(self.tokenizers.on_worker)
+        self.thresholds = Thresholds(config.busy_queue, config.busy_kv_usage)
+        """Busy thresholds (router/engine_load.py); ``PUT /admin/thresholds`` changes them."""
         self.guards = IndexGuards(config, self.metrics)
         """Instances whose index entries are not used (another block size, namespace or
         tokenizer than the router's): ``index_lookup`` leaves them out."""
@@ -181,11 +184,25 @@ class RouterState:
         workers = [w for w in self.pools.workers[role].values() if w.available]
         if not workers:
             raise NoWorkers(role, self.pools.unavailable_reason(role))
+        th = self.thresholds
+        if th.busy_queue is not None or th.busy_kv_usage is not None:
+            workers = self._not_busy(role, workers)
         if not exclude:
             return workers
         # Avoid workers that already failed this request while others remain.
         fresh = [w for w in workers if w.instance_id not in exclude]
         return fresh or workers
+
+    def _not_busy(self, role: str, workers: list[Worker]) -> list[Worker]:
+        """The workers under the busy thresholds; all of them when every one is busy (a
+        request waits at a busy engine rather than fail here), counted."""
+        now, interval, busy = time.monotonic(), self.config.load_interval, self.thresholds.busy
+        free = [w for w in workers if not busy(fresh(w.engine, now, interval))]
+        if free:
+            return free
+        m = self.metrics
+        m.child(m.busy_fallbacks, role).inc()
+        return workers
 
     def select_pair(self, ctx: RouteContext, exclude: set[str] | None = None) -> Pair:
         t0 = time.perf_counter()
@@ -215,6 +232,8 @@ class RouterState:
     def refresh_gauges(self) -> None:
         m = self.metrics
         m.set_breakers(self.pools.all())
+        m.set_engine_loads(self.pools.all(), time.monotonic(), self.config.load_interval,
+                           self.thresholds)
         index = self.index
         if index is not None:
             st = index.status()

@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 from index.record import DECODE, PREFILL, RecordReader
 from router.breaker import CircuitBreaker
 from router.config import RouterConfig, check_url
+from router.engine_load import EngineLoad
 from router.limits import Stated, WorkerLimits, stated_limits
 from tokenization import canonical_model
 
@@ -99,6 +100,8 @@ class Worker:
     """The longest prompt and largest body it takes, once known (its record or /server_info)."""
     info_asked: bool = False
     """Its /server_info was read (or is not served): the health checks ask only once."""
+    engine: EngineLoad | None = None
+    """Its last ``/metrics`` reading (router/engine_load.py), when the router scrapes them."""
 
     def __post_init__(self) -> None:
         if self.bootstrap_host is None:
@@ -122,7 +125,8 @@ class Worker:
                 "requests": self.requests, "bootstrap_host": self.bootstrap_host,
                 "bootstrap_port": self.bootstrap_port, "shadowed_by": self.shadowed_by,
                 "max_prompt_tokens": self.limits.prompt.value if self.limits.prompt else None,
-                "max_body_bytes": self.limits.body.value if self.limits.body else None}
+                "max_body_bytes": self.limits.body.value if self.limits.body else None,
+                "engine": self.engine.describe() if self.engine is not None else None}
 
 
 def parse_instance_record(instance_id: str, raw: bytes, reader: RecordReader | None = None,

@@ -42,6 +42,8 @@ class StubWorker:
         """When set, every request waits for this event before it is answered."""
         self.cancelled = 0
         """Requests whose connection the router closed before the answer was complete."""
+        self.metrics_text: str | None = None
+        """What GET /metrics answers (404 when None): an engine's Prometheus exposition."""
         self.cached_tokens: int | None = None
         """When set, answers report it as ``meta_info.cached_tokens`` (a stream: every event
         carries the running count, as SGLang's do)."""
@@ -65,6 +67,7 @@ class StubWorker:
             app.router.add_post(path, self._handle)
         app.router.add_get("/health", self._health)
         app.router.add_get("/server_info", self._server_info)
+        app.router.add_get("/metrics", self._metrics)
         # An engine aborts a request whose connection went away: so does the stub, and counts it.
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
@@ -75,6 +78,11 @@ class StubWorker:
         if self.runner is not None:
             await self.runner.cleanup()
             self.runner = None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_text is None:
+            return web.Response(status=404, text="no metrics")
+        return web.Response(text=self.metrics_text, content_type="text/plain")
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": self.health_status == 200}, status=self.health_status)
@@ -185,6 +193,9 @@ class RouterClient:
 
     def post(self, path: str, **kw: Any) -> Any:
         return self.request("POST", path, **kw)
+
+    def put(self, path: str, **kw: Any) -> Any:
+        return self.request("PUT", path, **kw)
 
     def delete(self, path: str, **kw: Any) -> Any:
         return self.request("DELETE", path, **kw)
