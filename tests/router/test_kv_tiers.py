@@ -82,3 +82,29 @@ def test_a_prefix_split_across_tiers_is_credited_block_by_block() -> None:
     cand = choice.candidates[0]
     assert cand["index_tiers"] == {"device": 4, "host": 4, "disk": 2}
     assert cand["credited_blocks"] == 4 + 3 + 0.5
+
+
+def test_the_readmes_worked_example() -> None:
+    """README, "The router": p1's 16 host blocks beat p0's 12 device blocks under unseen load."""
+    from router.engine_load import EngineLoad
+
+    tokens = list(range(1000, 1000 + 20 * 16))
+    probe = policy(BlockTable())
+    hashes = RouteContext(tokens).hashes(probe.hasher, probe.seed)
+    assert len(hashes) == 20
+    table = BlockTable()
+    table.apply_add("p0", hashes[:12])
+    table.apply_add("p1", hashes[:16], "CPU")
+    kv = policy(table)
+    kv.mean_work = 6.0
+    ws = workers(3)
+    now = kv._clock()
+    kv.work.add("p0", 8)
+    ws[0].load = 1
+    ws[0].engine = EngineLoad(queue=3, running=2, kv_usage=0.5, at=now)
+    ws[2].engine = EngineLoad(queue=1, running=0, kv_usage=0.1, at=now)
+    choice = kv.select(ws, RouteContext(tokens))
+    cost = {c["instance_id"]: (c["credited_blocks"], c["load_blocks"], c["cost"])
+            for c in choice.candidates}
+    assert cost == {"p0": (12, 32.0, 48.0), "p1": (12.0, 0.0, 16.0), "p2": (0, 6.0, 46.0)}
+    assert choice.worker.instance_id == "p1"
