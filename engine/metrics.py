@@ -45,6 +45,11 @@ class EngineCollector(Collector):
         yield counter("aborted_requests", "Requests aborted", t["aborted"])
         yield counter("kv_events_published", "KV events published", self.engine.events_published)
         yield counter("kv_evictions", "Cached blocks evicted", cache.evictions)
+        yield counter("kv_host_stores", "Evicted blocks copied to the host tier",
+                      cache.host_stores)
+        yield counter("kv_host_restores", "Host-tier blocks copied back for a request",
+                      cache.host_restores)
+        yield gauge("kv_host_blocks", "Blocks held in the host tier", cache.host_blocks)
         yield gauge("kv_pages_used", "KV pages referenced by requests", cache.pages_in_use)
         yield gauge("kv_pages_cached", "KV pages holding cached blocks", len(cache.blocks()))
         yield gauge("kv_pages_total", "KV pool capacity in pages", sched.pool.num_pages)

@@ -50,14 +50,15 @@ def load_model(spec: ModelSpec, device: str = "cpu", kv_heads: range | None = No
 def build_scheduler(model_cfg: ModelConfig, num_pages: int, page_size: int = 16,
                     max_batch_tokens: int = 512, enable_prefix_cache: bool = True,
                     max_running: int = 256, model: Transformer | None = None,
-                    device: str = "cpu", tokenizer: Tokenizer | None = None) -> Scheduler:
+                    device: str = "cpu", tokenizer: Tokenizer | None = None,
+                    host_pages: int = 0) -> Scheduler:
     """A scheduler with a fresh pool and cache (pass ``model`` to share weights; default: the
     seeded weights of ``model_cfg``) whose requests ``tokenizer`` detokenizes (default: the
-    byte tokenizer)."""
+    byte tokenizer); ``host_pages``: the prefix cache's host tier, in blocks (0: none)."""
     model = model or Transformer(model_cfg, device=device)
     pool = KVPool(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
                   model_cfg.torch_dtype, num_pages, page_size, device=model.device)
-    cache = PrefixCache(pool, enabled=enable_prefix_cache)
+    cache = PrefixCache(pool, enabled=enable_prefix_cache, host_pages=host_pages)
     return Scheduler(model, cache, max_batch_tokens=max_batch_tokens, max_running=max_running,
                      tokenizer=tokenizer)
 

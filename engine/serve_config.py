@@ -60,6 +60,9 @@ class EngineServerConfig:
     """Requests admitted at once."""
     enable_prefix_cache: bool = True
     """Reuse cached prefix blocks (and publish KV events about them)."""
+    host_pages: int = 0
+    """The prefix cache's host tier in blocks: evicted blocks are copied to host memory and back
+    on a hit, and published with medium ``CPU`` (0: evicted blocks are dropped)."""
     kv_events: str | None = None
     """KV-event PUB endpoint (e.g. tcp://127.0.0.1:5557); None disables publishing."""
     kv_events_replay: str | None = None
@@ -91,6 +94,8 @@ class EngineServerConfig:
         if self.num_pages is None:
             page_bytes = self.model_config.kv_bytes_per_token * self.page_size
             self.num_pages = max(1, min(DEFAULT_MAX_PAGES, DEFAULT_KV_BYTES // page_bytes))
+        if self.host_pages < 0:
+            raise ValueError(f"host_pages must be >= 0, got {self.host_pages}")
         for name in ("page_size", "num_pages", "max_batch_tokens", "max_running",
                      "max_request_bytes"):
             if getattr(self, name) < 1:
@@ -162,6 +167,9 @@ class EngineServerConfig:
                             help="token budget per scheduler step")
         parser.add_argument("--max-running", type=int, default=d.max_running,
                             help="requests admitted at once")
+        parser.add_argument("--host-pages", type=int, default=0,
+                            help="prefix-cache host tier in blocks: evicted blocks move to host "
+                                 "memory and come back on a hit (default 0: off)")
         parser.add_argument("--disable-prefix-cache", action="store_true",
                             help="never reuse cached prefix blocks")
         parser.add_argument("--kv-events", default=None, metavar="ENDPOINT",
@@ -185,6 +193,7 @@ class EngineServerConfig:
                    port=args.port, page_size=args.page_size, num_pages=args.num_pages,
                    max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
                    enable_prefix_cache=not args.disable_prefix_cache, kv_events=args.kv_events,
+                   host_pages=args.host_pages,
                    kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic,
                    max_request_bytes=args.max_request_bytes,
                    read_timeout_s=args.read_timeout)

@@ -246,7 +246,7 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         weights, tok = load_model(cfg.spec, device=cfg.device)
         return build_scheduler(model, cfg.kv_pages, cfg.page_size, cfg.max_batch_tokens,
                                cfg.enable_prefix_cache, cfg.max_running, model=weights,
-                               tokenizer=tok)
+                               tokenizer=tok, host_pages=cfg.host_pages)
     sched = await loop.run_in_executor(None, build)
     publisher = None
     sink = None

@@ -54,7 +54,8 @@ def build_rank(cfg: PDConfig, info: RankInfo, dist: Dist) -> tuple[Scheduler, KV
     model, tok = load_model(e.spec, device=e.device, kv_heads=heads)
     pool = KVPool(m.num_layers, m.num_kv_heads, m.head_dim, dtype_from_name(cfg.kv_dtype),
                   e.kv_pages, e.page_size, device=model.device, kv_heads=heads)
-    cache = PrefixCache(pool, enabled=e.enable_prefix_cache and cfg.mode == "prefill")
+    cache = PrefixCache(pool, enabled=e.enable_prefix_cache and cfg.mode == "prefill",
+                        host_pages=e.host_pages if cfg.mode == "prefill" else 0)
     # every rank detokenizes too: its requests must stop (EOS, stop strings) when the leader's do
     sched = Scheduler(ShardedModel(model, dist.combine()), cache,  # type: ignore[arg-type]
                       max_batch_tokens=e.max_batch_tokens, max_running=e.max_running,
