@@ -129,6 +129,10 @@ class RouterConfig:
     prefill work. Above 1 because a hit also spares a duplicate copy of the prefix in another
     cache (bench/routing_quality.py, concurrency 6: 1.0 served ~6% fewer cached tokens than the
     old request-count load, 2.0 is within run-to-run noise of it)."""
+    send_weight: float = 0.25
+    """kv_aware: work of sending one block's KV to the decode, in blocks of prefill compute. A
+    prefill sends every block of a prompt, cached or not, so a burst of fully cached requests
+    still queues at their holder: this term is what makes one spread (``--send-weight``)."""
     tier_weights: TierWeights = field(default_factory=TierWeights)
     """kv_aware: what a matched block is worth by the cache tier holding it (device 1.0, host
     0.75, disk 0.25): a host or disk hit is copied to the device, not reused in place."""
@@ -257,7 +261,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         check_thresholds(self.busy_queue, self.busy_kv_usage)
         for name in ("overlap_weight", "temperature", "prediction_catch_up", "work_half_life",
-                     "load_interval",
+                     "load_interval", "send_weight",
                      "canary_delay", "canary_interval",
                      "shutdown_grace", "queue_size", "queue_timeout",
                      "breaker_timeout", "retry_initial_backoff",
@@ -344,6 +348,9 @@ class RouterConfig:
                             help="engine queue length at which a worker is busy (default off)")
         parser.add_argument("--busy-kv-usage", type=float, default=None,
                             help="engine KV usage (0..1] at which a worker is busy (default off)")
+        parser.add_argument("--send-weight", type=float, default=d.send_weight,
+                            help="kv_aware: cost of sending a block's KV to the decode, in "
+                                 f"blocks of compute (default {d.send_weight})")
         parser.add_argument("--explain-routes", action="store_true",
                             help="add X-Kvatlas-Route (the decision, its cost terms) to every "
                                  "answer (default: only when the request sends "
@@ -433,6 +440,7 @@ class RouterConfig:
             block_size=args.block_size,
             overlap_weight=args.overlap_weight, temperature=args.temperature,
             explain_routes=args.explain_routes, load_interval=args.load_interval,
+            send_weight=args.send_weight,
             busy_queue=args.busy_queue, busy_kv_usage=args.busy_kv_usage,
             tier_weights=TierWeights(args.gpu_hit_weight, args.host_hit_weight,
                                      args.disk_hit_weight),

@@ -438,7 +438,8 @@ class KvAware(Policy):
     def on_routed(self, choice: Choice) -> None:
         instance = choice.worker.instance_id
         n = choice.prompt_blocks
-        work = max(n - choice.matched_blocks, 1)
+        # A cached block is not free at a PD prefill: its KV still goes to the decode.
+        work = max(n - choice.matched_blocks + self.config.send_weight * n, 1.0)
         self.work.add(instance, work)
         self.mean_work += (work - self.mean_work) * 0.05
         if not choice.hashes or choice.indexed_blocks >= n:

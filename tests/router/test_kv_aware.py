@@ -182,7 +182,8 @@ def test_load_is_counted_in_prefill_blocks() -> None:
 
     choice = kv.select(ws, RouteContext(other))
     cands = {x["instance_id"]: x for x in choice.candidates}
-    assert cands["p0"]["load_blocks"] == len(c.hashes) and cands["p1"]["load_blocks"] == 0
+    # its compute (nothing cached) plus sending every block's KV to the decode
+    assert cands["p0"]["load_blocks"] == len(c.hashes) * 1.25 and cands["p1"]["load_blocks"] == 0
     assert cands["p0"]["load"] == 1 and cands["p0"]["matched_blocks"] == 1
     # One block of overlap does not beat an instance busy with a whole prompt's prefill ...
     assert choice.worker.instance_id == "p1"
@@ -207,4 +208,30 @@ def test_finished_work_decays_with_the_half_life() -> None:
     first = kv.select(ws, RouteContext(encode_text("x"))).candidates[0]["load_blocks"]
     clock.t += 2.0
     later = kv.select(ws, RouteContext(encode_text("x"))).candidates[0]["load_blocks"]
-    assert first == n and abs(later - n / 2) < 1e-3
+    assert first == n * 1.25 and abs(later - n * 1.25 / 2) < 1e-3
+
+
+def test_a_hot_prefix_burst_spreads_because_sending_cached_blocks_is_work() -> None:
+    """256 requests of one long prefix at once over 8 prefills: a fully cached request still
+    sends its whole KV to the decode (``send_weight``), so queueing at the holder grows dearer
+    than recomputing the prefix elsewhere. In-flight max/mean ends <= 1.5 while the cached
+    tokens stay >= 80% of a router that always sticks to the holder. Without the send term
+    (0) the burst piles up (the cost model, not a special case, makes the difference)."""
+    prefix = "<|system|>\n" + "a long shared system prompt with many words " * 12
+
+    def burst(sticky: bool, **kw: object) -> tuple[float, int]:
+        kv, _ = make_kv(None, **kw)
+        ws = workers(8)
+        cached = 0
+        for i in range(256):
+            c = route(kv, ws[:1] if sticky else ws, prefix + f"user {i}: hi")
+            cached += c.matched_blocks
+        loads = [w.load for w in ws]
+        return max(loads) / (sum(loads) / len(loads)), cached
+
+    spread, cached = burst(False)
+    _, sticky = burst(True)
+    assert spread <= 1.5, spread
+    assert cached >= 0.8 * sticky, (cached, sticky)
+    piled, _ = burst(False, send_weight=0.0)
+    assert piled > 1.5, piled
