@@ -63,7 +63,10 @@ from _results import write_result
 
 from kvatlas.etcd_proc import EtcdCluster, free_port  # noqa: E402
 
-ROUTERS = ("kv_aware", "round_robin", "power_of_two", "sglang:cache_aware")
+ROUTERS = ("kv_aware", "kv_aware:gpu_only", "round_robin", "power_of_two", "sglang:cache_aware")
+GPU_ONLY = ("--host-hit-weight", "0", "--disk-hit-weight", "0")
+"""``kv_aware:gpu_only``: kv_aware that credits no host or disk block, as a router that forgets a
+block when its GPU copy goes (the baseline of tier-aware scoring)."""
 MODEL = "tiny"
 
 
@@ -158,7 +161,8 @@ class Cluster:
         info: dict[str, Any] = {"name": name, "url": f"http://127.0.0.1:{port}"}
         if mode == "prefill":
             info["bport"] = free_port()
-            args += ["--bootstrap-port", str(info["bport"])]
+            args += ["--bootstrap-port", str(info["bport"]),
+                     "--host-pages", str(getattr(self.args, "host_pages", 0))]
         info["proc"] = Proc(f"{self.prefix.strip('/')}-{name}", args, self.logdir)
         self.procs.append(info["proc"])
         return info
@@ -193,8 +197,9 @@ class Cluster:
         else:
             args = [sys.executable, "-m", "kvatlas", "router", "serve", "--host", "127.0.0.1",
                     "--port", str(port), "--etcd", self.etcd, "--etcd-prefix", self.prefix,
-                    "--model", MODEL, "--policy", router, "--decode-policy", "power_of_two",
-                    "--health-check-interval-secs", "1",
+                    "--model", MODEL, "--policy", router.split(":")[0],
+                    "--decode-policy", "power_of_two", "--health-check-interval-secs", "1",
+                    *(GPU_ONLY if router == "kv_aware:gpu_only" else ()),
                     *getattr(self.args, "kvatlas_arg", [])]
         proc = Proc(f"{self.prefix.strip('/')}-router", args, self.logdir)
         self.router_proc = proc
@@ -307,7 +312,8 @@ def print_table(result: dict[str, Any]) -> None:
     t = Table(title=f"routing quality: {result['trace']['requests']} requests, "
                     f"{result['trace']['prompt_tokens']} prompt tokens, "
                     f"{result['setup']['prefills']} prefills x {result['setup']['prefill_pages']} "
-                    f"pages (union {off['union_blocks']} of {result['trace']['distinct_blocks']} "
+                    f"pages + {result['setup'].get('host_pages', 0)} host (union "
+                    f"{off['union_blocks']} of {result['trace']['distinct_blocks']} "
                     f"distinct blocks)")
     for col in ("router", "cached tok", "hit %", "computed tok", "vs round_robin",
                 "vs cache_aware", "vs oracle", "TTFT p50 ms", "TTFT p90 ms", "errors", "wall s"):
@@ -356,6 +362,9 @@ def main() -> int:
     p.add_argument("--prefill-pages", type=int, default=None,
                    help="KV pool pages per prefill = its prefix-cache capacity (default 300; "
                         "quick 200)")
+    p.add_argument("--host-pages", type=int, default=0,
+                   help="each prefill's host tier in blocks (evicted blocks move there and back "
+                        "on a hit; the oracle then has device + host capacity)")
     p.add_argument("--decode-pages", type=int, default=4096)
     p.add_argument("--concurrency", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=6)
@@ -396,7 +405,8 @@ def main() -> int:
         except ImportError:
             print("sglang-router not installed (pip install sglang-router): skipping cache_aware")
             routers = [r for r in routers if not r.startswith("sglang:")]
-    cap, n = args.prefill_pages, args.prefills
+    n = args.prefills
+    cap = args.prefill_pages + args.host_pages  # what an instance can hold, device + host
     total = rt.total_prompt_tokens(reqs)
     offline = {
         "union_blocks": cap * n,
@@ -409,7 +419,8 @@ def main() -> int:
         "trace": {**trace_desc, "requests": len(reqs), "prompt_tokens": total,
                   "distinct_blocks": rt.distinct_blocks(reqs),
                   "max_prompt_tokens": max(len(rt.prompt_tokens(r.text)) for r in reqs)},
-        "setup": {"prefills": n, "prefill_pages": cap, "page_size": rt.BLOCK, "model": MODEL,
+        "setup": {"prefills": n, "prefill_pages": args.prefill_pages,
+                  "host_pages": args.host_pages, "page_size": rt.BLOCK, "model": MODEL,
                   "decode_pages": args.decode_pages, "concurrency": args.concurrency,
                   "max_new_tokens": args.max_new_tokens,
                   "ttft": "request sent -> first streamed token event through the router"},
@@ -441,7 +452,9 @@ def main() -> int:
     rr = result["runs"].get("round_robin", {}).get("cached_tokens")
     ca = result["runs"].get("sglang:cache_aware", {}).get("cached_tokens")
     kv = result["runs"].get("kv_aware", {}).get("cached_tokens")
+    gpu = result["runs"].get("kv_aware:gpu_only", {}).get("cached_tokens")
     result["ratios"] = {
+        "kv_aware_vs_gpu_only": round(kv / gpu, 3) if kv and gpu else None,
         "kv_aware_vs_round_robin": round(kv / rr, 3) if kv and rr else None,
         "kv_aware_vs_cache_aware": round(kv / ca, 3) if kv and ca else None,
         "kv_aware_vs_oracle": round(kv / offline["oracle_belady"], 3) if kv else None,

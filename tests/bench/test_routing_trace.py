@@ -115,3 +115,13 @@ def test_oracle_bounds_random_routings() -> None:
                 c.append(h)
             del c[:max(0, len(c) - cap)]
         assert hits <= oracle
+
+
+def test_the_committed_mooncake_trace_loads_and_shares_prefixes() -> None:
+    """bench/data's copy of Mooncake's FAST'25 trace: 2,000 requests, prefixes shared."""
+    path = ROOT / "bench" / "data" / "mooncake_fast25_first2000.jsonl"
+    reqs = rt.mooncake_trace(path)
+    assert len(reqs) == 2000
+    total_blocks = sum(len(r.text) for r in reqs) // rt.BLOCK
+    assert rt.distinct_blocks(reqs) < 0.8 * total_blocks  # prefixes are shared
+    assert rt.infinite_bound(reqs) > 0
