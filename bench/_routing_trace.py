@@ -145,9 +145,13 @@ def mooncake_trace(path: str | Path, block_chars: int = 64, max_chars: int = 190
 
 # --- replay -----------------------------------------------------------------------------------
 
-async def replay(url: str, reqs: list[Req], concurrency: int,
+async def replay(url: str | list[str], reqs: list[Req], concurrency: int,
                  timeout: float) -> dict[str, Any]:
+    """Replay ``reqs`` through the router at ``url``; given several routers, request ``i`` goes
+    to router ``i mod n``, so the turns of one conversation are sprayed across them."""
     import aiohttp
+
+    urls = [url] if isinstance(url, str) else list(url)
 
     done: dict[int, asyncio.Event] = {r.rid: asyncio.Event() for r in reqs}
     prev: dict[int, int] = {}
@@ -172,7 +176,7 @@ async def replay(url: str, reqs: list[Req], concurrency: int,
         t0 = time.perf_counter()
         first = None
         last_meta: dict[str, Any] = {}
-        async with session.post(f"{url}/generate", json=body) as resp:
+        async with session.post(f"{urls[r.rid % len(urls)]}/generate", json=body) as resp:
             if resp.status != 200:
                 errors.append(f"{resp.status}: {(await resp.text())[:200]}")
                 return

@@ -150,6 +150,8 @@ class Cluster:
         self.decode: dict[str, Any] = {}
         self.procs: list[Proc] = []
         self.router_url = ""
+        self.router_urls: list[str] = []
+        """Every router of the run (``--router-counts``): requests are sprayed across them."""
         self.router_proc: Proc | None = None
 
     def _engine(self, mode: str, name: str, pages: int) -> dict[str, Any]:
@@ -183,7 +185,13 @@ class Cluster:
 
         wait_until(ready, self.procs, "engine instances", 180)
 
-    def start_router(self, router: str) -> None:
+    def start_routers(self, router: str, count: int) -> None:
+        for k in range(count):
+            self.start_router(router, k)
+            self.router_urls.append(self.router_url)
+        self.router_url = self.router_urls[0]
+
+    def start_router(self, router: str, k: int = 0) -> None:
         port = free_port()
         self.router_url = f"http://127.0.0.1:{port}"
         if router.startswith("sglang:"):
@@ -201,7 +209,7 @@ class Cluster:
                     "--decode-policy", "power_of_two", "--health-check-interval-secs", "1",
                     *(GPU_ONLY if router == "kv_aware:gpu_only" else ()),
                     *getattr(self.args, "kvatlas_arg", [])]
-        proc = Proc(f"{self.prefix.strip('/')}-router", args, self.logdir)
+        proc = Proc(f"{self.prefix.strip('/')}-router{k}", args, self.logdir)
         self.router_proc = proc
         self.procs.append(proc)
 
@@ -269,14 +277,14 @@ def sglang_diag(log: Path) -> dict[str, int]:
 
 
 def run_router(args: argparse.Namespace, etcd: str, router: str, i: int, logdir: Path,
-               reqs: list[rt.Req]) -> dict[str, Any]:
+               reqs: list[rt.Req], count: int = 1) -> dict[str, Any]:
     t0 = time.monotonic()
     for attempt in range(3):
         # free_port() can race with other processes on the box: retry on a lost port
         cluster = Cluster(args, etcd, f"/rq{os.getpid()}x{i}a{attempt}", logdir)
         try:
             cluster.start_workers()
-            cluster.start_router(router)
+            cluster.start_routers(router, count)
             break
         except BaseException as exc:  # Ctrl-C included: never leave a process behind
             cluster.stop()
@@ -285,14 +293,17 @@ def run_router(args: argparse.Namespace, etcd: str, router: str, i: int, logdir:
             print(f"  {router}: a port was taken meanwhile; starting again", flush=True)
     try:
         startup = time.monotonic() - t0
-        res = asyncio.run(rt.replay(cluster.router_url, reqs, args.concurrency,
+        res = asyncio.run(rt.replay(cluster.router_urls, reqs, args.concurrency,
                                     args.request_timeout))
         time.sleep(0.3)
         res.update(cluster.prefill_metrics())
         if router.startswith("sglang:") and cluster.router_proc is not None:
             res["router_view"] = sglang_diag(cluster.router_proc.log_path)
         else:
-            res["router_view"] = router_diag(cluster.router_url)
+            views = [router_diag(u) for u in cluster.router_urls]
+            res["router_view"] = {k: sum(v.get(k, 0.0) for v in views)
+                                  for k in {k for v in views for k in v}}
+        res["routers"] = count
         res["startup_s"] = round(startup, 1)
         return res
     finally:
@@ -362,6 +373,9 @@ def main() -> int:
     p.add_argument("--prefill-pages", type=int, default=None,
                    help="KV pool pages per prefill = its prefix-cache capacity (default 300; "
                         "quick 200)")
+    p.add_argument("--router-counts", default="1",
+                   help="comma-separated numbers of kvatlas routers per run, e.g. 1,2,4: the "
+                        "requests (every turn of a conversation) are sprayed across them")
     p.add_argument("--host-pages", type=int, default=0,
                    help="each prefill's host tier in blocks (evicted blocks move there and back "
                         "on a hit; the oracle then has device + host capacity)")
@@ -433,12 +447,17 @@ def main() -> int:
     etcd = EtcdCluster(1, log_dir=logdir)
     etcd.start()
     try:
-        for i, router in enumerate(routers):
+        counts = [int(c) for c in args.router_counts.split(",") if c]
+        runs = [(r, c) for r in routers for c in (counts if not r.startswith("sglang:")
+                                                  else [1])]
+        for i, (router, count) in enumerate(runs):
             t1 = time.monotonic()
             try:
-                res = run_router(args, etcd.endpoints, router, i, logdir, reqs)
+                res = run_router(args, etcd.endpoints, router, i, logdir, reqs, count)
             except RuntimeError as exc:
                 res = {"error": str(exc)[:2000]}
+            if count != 1:
+                router = f"{router} x{count}"
             result["runs"][router] = res
             if "error" in res:
                 print(f"  {router}: ERROR {res['error'][:500]}", flush=True)
@@ -453,7 +472,10 @@ def main() -> int:
     ca = result["runs"].get("sglang:cache_aware", {}).get("cached_tokens")
     kv = result["runs"].get("kv_aware", {}).get("cached_tokens")
     gpu = result["runs"].get("kv_aware:gpu_only", {}).get("cached_tokens")
+    multi = {name: round(r["cached_tokens"] / kv, 3) for name, r in result["runs"].items()
+             if name.startswith("kv_aware x") and kv and r.get("cached_tokens")}
     result["ratios"] = {
+        **{f"{name}_vs_one_router": v for name, v in multi.items()},
         "kv_aware_vs_gpu_only": round(kv / gpu, 3) if kv and gpu else None,
         "kv_aware_vs_round_robin": round(kv / rr, 3) if kv and rr else None,
         "kv_aware_vs_cache_aware": round(kv / ca, 3) if kv and ca else None,

@@ -6,7 +6,9 @@ says; a sidecar that rewrites ids; events dropped on the way). Nothing fails the
 just never sees a prefix there. So, after a request was served by prefill P, the router keeps
 the first ``CANARY_BLOCKS`` block hashes of its prompt (the very hashes it routed on) and, when
 ``canary_delay`` seconds have passed (time for the engine's events to reach etcd and the
-router's mirror), asks the index whether P holds the first of them: a *hit*, else a *miss*.
+router's mirror), asks the index whether P holds the first of them: a *hit*; if not, it looks
+once more ``canary_delay`` later (a busy moment can delay the index), and only then counts a
+*miss*.
 Consecutive misses on an instance that serves requests are the sign ``kvatlas doctor`` reads
 (``GET /debug/index_health``).
 
@@ -48,6 +50,9 @@ class Canary:
     hashes: tuple[int, ...]
     due: float
     """Monotonic time at which it is checked."""
+    second: bool = False
+    """Checked once already and not found: one more look before it counts as a miss (an index
+    that lags a busy moment is not a mismatch)."""
 
 
 @dataclass
@@ -132,6 +137,10 @@ class Canaries:
                 if self.ignored(iid) or not self.live():
                     continue  # not a fact about its events: its entries are not used, or stale
                 hit = self.lookup(canary.hashes, canary.model).get(iid, 0) > 0
+                if not hit and not canary.second:
+                    pending.append(Canary(canary.model, canary.hashes,
+                                          now + self.config.canary_delay, second=True))
+                    continue
                 st.last_checked = self._wall()
                 judged += 1
                 if hit:
@@ -142,7 +151,7 @@ class Canaries:
                     st.consecutive_misses += 1
                     logger.debug("canary of instance %s missed (%d in a row): the index holds "
                                  "no block of a prompt it served %.1f s ago", iid,
-                                 st.consecutive_misses, self.config.canary_delay)
+                                 st.consecutive_misses, 2 * self.config.canary_delay)
                 m.child(m.canary, iid, HIT if hit else MISS).inc()
         return judged
 

@@ -19,6 +19,7 @@ class SidecarCluster:
     sidecars: dict[str, Spawned]
     router: Router
     extra: list[Spawned] = field(default_factory=list)
+    """More routers (``start_cluster(routers=N)``), each finding the workers through etcd."""
 
     def all(self) -> list[Spawned]:
         return [*self.prefills, self.decode, *self.sidecars.values(), self.router, *self.extra]
@@ -28,8 +29,8 @@ class SidecarCluster:
 
 
 def start_cluster(etcd: str, prefills: int = 2, router_extra: tuple[str, ...] = (),
-                  sidecar_extra: Callable[[Engine], tuple[str, ...]] = lambda e: ()
-                  ) -> SidecarCluster:
+                  sidecar_extra: Callable[[Engine], tuple[str, ...]] = lambda e: (),
+                  routers: int = 1) -> SidecarCluster:
     """Engines first (ready), then a sidecar beside each (``sidecar_extra(engine)``: flags
     added to its command line, the last of a repeated flag wins), then the router."""
     prefix = f"/kvatlas-test-{uuid.uuid4().hex[:12]}"
@@ -44,15 +45,17 @@ def start_cluster(etcd: str, prefills: int = 2, router_extra: tuple[str, ...] = 
         cars = {e.name: sidecar(e, etcd, prefix, *sidecar_extra(e))
                 for e in [*engines, decode]}
         started += cars.values()
-        router = Router(etcd, prefix, *router_extra)
-        started.append(router)
-        router.wait_http(f"{router.url}/readiness", 60)
+        all_routers = [Router(etcd, prefix, *router_extra) for _ in range(routers)]
+        started += all_routers
+        for r in all_routers:
+            r.wait_http(f"{r.url}/readiness", 60)
+        router = all_routers[0]
     except BaseException:
         for p in started:
             print(f"--- {p.name}\n{p.output(3000)}")
             p.stop()
         raise
-    return SidecarCluster(etcd, prefix, engines, decode, cars, router)
+    return SidecarCluster(etcd, prefix, engines, decode, cars, router, list(all_routers[1:]))
 
 
 def stop_cluster(cluster: SidecarCluster) -> None:
