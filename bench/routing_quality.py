@@ -440,7 +440,8 @@ def main() -> int:
                   "ttft": "request sent -> first streamed token event through the router"},
         "offline": offline, "runs": {}}
     print(f"trace: {len(reqs)} requests, {total} prompt tokens, "
-          f"{result['trace']['distinct_blocks']} distinct blocks; {n} prefills x {cap} pages; "
+          f"{result['trace']['distinct_blocks']} distinct blocks; {n} prefills x "
+          f"{args.prefill_pages} pages + {args.host_pages} host; "
           f"oracle {offline['oracle_belady']} tokens", flush=True)
     logdir = Path(tempfile.mkdtemp(prefix="kvatlas-rq-"))
     t0 = time.monotonic()

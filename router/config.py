@@ -129,10 +129,12 @@ class RouterConfig:
     prefill work. Above 1 because a hit also spares a duplicate copy of the prefix in another
     cache (bench/routing_quality.py, concurrency 6: 1.0 served ~6% fewer cached tokens than the
     old request-count load, 2.0 is within run-to-run noise of it)."""
-    send_weight: float = 0.25
+    send_weight: float = 0.05
     """kv_aware: work of sending one block's KV to the decode, in blocks of prefill compute. A
     prefill sends every block of a prompt, cached or not, so a burst of fully cached requests
-    still queues at their holder: this term is what makes one spread (``--send-weight``)."""
+    still queues at their holder: this term is what makes one spread (``--send-weight``).
+    bench/routing_quality.py: 0.25 spread a reuse trace enough to cost ~9% of its cached
+    tokens; 0.05 cost none measurable and still spreads a 256-request burst (max/mean 1.25)."""
     tier_weights: TierWeights = field(default_factory=TierWeights)
     """kv_aware: what a matched block is worth by the cache tier holding it (device 1.0, host
     0.75, disk 0.25): a host or disk hit is copied to the device, not reused in place."""
