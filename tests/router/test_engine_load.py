@@ -70,13 +70,17 @@ def test_unseen_engine_work_counts_in_the_cost() -> None:
     table.apply_add("p0", hashes[:3])
     assert kv.select(ws, RouteContext(encode_text(text))).worker.instance_id == "p0"
     kv.mean_work = 4.0
-    ws[0].engine = EngineLoad(queue=3, running=1, kv_usage=0.5, at=99.5)  # 4 unseen x 4 blocks
+    ws[0].engine = EngineLoad(queue=4, running=1, kv_usage=0.5, at=99.5)  # 4 queued x 4 blocks
     choice = kv.select(ws, RouteContext(encode_text(text)))
     assert choice.worker.instance_id == "p1"
     cost = {c["instance_id"]: c for c in choice.candidates}
     assert cost["p0"]["load_blocks"] == 16.0
-    ws[0].load = 4  # all four are this router's own: already counted, nothing unseen
+    ws[0].load = 5  # one running and four queued, all this router's own: nothing unseen
     assert kv._unseen_work(ws[0], 100.0) == 0.0
+    ws[0].load = 1  # its one request is the running one: the queue is someone else's
+    assert kv._unseen_work(ws[0], 100.0) == 16.0
+    ws[0].engine = EngineLoad(queue=0, running=6, kv_usage=0.5, at=99.5)
+    assert kv._unseen_work(ws[0], 100.0) == 0.0  # running requests do not hold a new one up
     t[0] = 110.0  # a reading older than three intervals is ignored
     ws[0].load = 0
     assert kv._unseen_work(ws[0], 110.0) == 0.0

@@ -106,5 +106,5 @@ def test_the_readmes_worked_example() -> None:
     choice = kv.select(ws, RouteContext(tokens))
     cost = {c["instance_id"]: (c["credited_blocks"], c["load_blocks"], c["cost"])
             for c in choice.candidates}
-    assert cost == {"p0": (12, 32.0, 48.0), "p1": (12.0, 0.0, 16.0), "p2": (0, 6.0, 46.0)}
+    assert cost == {"p0": (12, 26.0, 42.0), "p1": (12.0, 0.0, 16.0), "p2": (0, 6.0, 46.0)}
     assert choice.worker.instance_id == "p1"
