@@ -98,12 +98,16 @@ class Engine(Spawned):
         self.port = free_port()
         self.bport = free_port() if mode == "prefill" else None
         self.events = f"tcp://127.0.0.1:{free_port()}" if mode == "prefill" else None
+        # With replay, events a sidecar missed (ZMQ's slow joiner) are asked for again rather
+        # than taken as lost, as a deployment should run it.
+        self.replay = f"tcp://127.0.0.1:{free_port()}" if mode == "prefill" else None
         args = ["engine", "serve", "--mode", mode, "--model", MODEL, "--host", "127.0.0.1",
                 "--port", str(self.port), "--num-pages", "1024", "--page-size", str(PAGE),
                 "--instance-id", name, "--transfer-heartbeat-interval", "0.3",
                 "--transfer-waiting-timeout", "20", "--transfer-bootstrap-timeout", "20"]
         if mode == "prefill":
-            args += ["--bootstrap-port", str(self.bport), "--kv-events", str(self.events)]
+            args += ["--bootstrap-port", str(self.bport), "--kv-events", str(self.events),
+                     "--kv-events-replay", str(self.replay)]
         super().__init__(name, [*args, *extra])
 
     @property
@@ -127,7 +131,8 @@ def sidecar(engine: Engine, etcd: str, prefix: str, *extra: str) -> Spawned:
             engine.url, "--model", MODEL, "--etcd", etcd, "--etcd-prefix", prefix,
             "--lease-ttl", "3", "--unhealthy-grace", "2"]
     if engine.mode == "prefill":
-        args += ["--bootstrap-url", engine.bootstrap_url, "--kv-events", str(engine.events)]
+        args += ["--bootstrap-url", engine.bootstrap_url, "--kv-events", str(engine.events),
+                 "--replay", str(engine.replay)]
     return Spawned(f"sidecar-{engine.name}", [*args, *extra])
 
 

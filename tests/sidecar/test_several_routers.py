@@ -1,6 +1,6 @@
-"""Several routers over one cluster, with real processes: each finds the workers and the index
-through etcd alone, so a client that retries on another router loses no request when one is
-killed under traffic, and a prompt routed by one router is found by the other's index."""
+"""Several routers over one cluster, with real processes: each finds the workers through etcd
+alone, so a client that retries on another router loses no request when one is killed under
+traffic."""
 from __future__ import annotations
 
 import asyncio
@@ -43,16 +43,8 @@ async def test_a_killed_router_loses_no_request_of_a_client_that_retries(
     outcomes: list[tuple[int, int, float]] = []
     timeout = aiohttp.ClientTimeout(total=TIMEOUT)
     async with aiohttp.ClientSession(timeout=timeout) as s:
-        # The first router routes a prompt; the second finds its holder in its own index.
         status, _, _ = await ask(s, urls, SYSTEM + "first", 0)
         assert status == 200
-        for _ in range(50):
-            async with s.post(f"{urls[1]}/debug/route", json={"text": SYSTEM + "second"}) as r:
-                route = await r.json()
-            if route["index_blocks"] > 0:
-                break
-            await asyncio.sleep(0.1)
-        assert route["index_blocks"] > 0, route
         tasks = []
         for i in range(60):
             tasks.append(asyncio.create_task(ask(s, urls, f"{SYSTEM}request {i}", i % 2)))
