@@ -13,8 +13,7 @@ from typing import Any
 
 from bootstrap.config import BootstrapConfig
 from bootstrap.table import Cell, RankEntry, RankTable
-from index.claim import ensure_id_free
-from index.errors import EtcdError
+from index.claim import connect_and_claim
 from index.etcd import EtcdClient
 from index.keys import dumps
 from index.lease import LeaseSession, cancel_and_wait
@@ -114,16 +113,9 @@ class RankMirror:
         step fails, the steps before it are undone in reverse order (``index.lifecycle``)."""
         async with undo_on_failure() as undo:
             undo.push_async_callback(self.client.close)
-            try:
-                await self.client.connect()
-            except EtcdError as exc:
-                # The lease loop connects again by itself; the server serves from memory
-                # meanwhile.
-                logger.warning("etcd not reachable at start, serving from memory and retrying: "
-                               "%s", exc)
-            else:
-                iid = self.config.instance_id
-                await ensure_id_free(self.client, self.layout.instance(iid), iid)
+            iid = self.config.instance_id
+            await connect_and_claim(self.client, self.layout.instance(iid), iid,
+                                    meanwhile="serving from memory and retrying")
             # Revoked after the tasks are stopped, so nothing renews or rewrites it.
             undo.push_async_callback(self.session.revoke)
             self._tasks = []

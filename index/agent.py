@@ -30,7 +30,7 @@ import zmq
 
 from index.agent_stats import StatsPublisher
 from index.block_index import GPU, BlockIndex
-from index.claim import ensure_id_free
+from index.claim import connect_and_claim
 from index.errors import EtcdError, IndexLayerError
 from index.etcd import EtcdClient, EtcdSettings
 from index.events.ingest import InstanceIngestor
@@ -306,15 +306,10 @@ class IndexAgent:
                 raise AgentError(cfg.instance_id, f"cannot {verb} KV-event endpoint "
                                  f"{cfg.events.endpoint}: {exc}; check --kv-events") from None
             undo.push_async_callback(self.client.close)
-            try:
-                await self.client.connect()
-            except EtcdError as exc:
-                # The lease loop keeps trying; events are indexed in memory meanwhile and written
-                # by the writer's resync once etcd answers.
-                logger.warning("etcd not reachable at start, retrying: %s", exc)
-            else:
-                await ensure_id_free(self.client, cfg.layout.instance(cfg.instance_id),
-                                     cfg.instance_id, source=SOURCE)
+            # etcd away: events are indexed in memory and written by the writer's resync once
+            # the lease loop reaches it.
+            await connect_and_claim(self.client, cfg.layout.instance(cfg.instance_id),
+                                    cfg.instance_id, source=SOURCE)
             # Revoked after the tasks below are stopped, so nothing renews or rewrites it.
             undo.push_async_callback(self.session.revoke)
             self._tasks = []

@@ -64,6 +64,19 @@ async def ensure_id_free(client: EtcdClient, key: bytes, instance_id: str,
     logger.info("instance id %s: its previous holder is gone; taking over", instance_id)
 
 
+async def connect_and_claim(client: EtcdClient, key: bytes, instance_id: str,
+                            source: str | None = None, meanwhile: str = "retrying") -> None:
+    """A start path's first etcd step: connect and refuse a live holder of the id
+    (``ensure_id_free``). etcd away is not an error: the process serves without it and its
+    lease loop connects later (``meanwhile`` says what it does until then, for the log)."""
+    try:
+        await client.connect()
+    except EtcdError as exc:
+        logger.warning("etcd not reachable at start, %s: %s", meanwhile, exc)
+        return
+    await ensure_id_free(client, key, instance_id, source=source)
+
+
 def _record(value: bytes, key: bytes, instance_id: str) -> InstanceRecord | None:
     """The record, or None when it cannot be read (then it names no kind and no address)."""
     try:

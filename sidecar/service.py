@@ -26,9 +26,8 @@ from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from bootstrap.errors import BadResponse
 from index.agent import WriterIndex, counters_doc
 from index.agent_stats import StatsPublisher
-from index.claim import ensure_id_free
+from index.claim import connect_and_claim, ensure_id_free
 from index.dp_union import DPUnion, subscribe_dp_ranks
-from index.errors import EtcdError
 from index.etcd import EtcdClient
 from index.lease import Backoff, LeaseSession, cancel_and_wait
 from index.lifecycle import undo_on_failure
@@ -240,13 +239,8 @@ class Sidecar:
                     raise SidecarError(cfg.instance_id, f"--tokenizer: {exc}") from None
                 self.tokenizer = tokenizer_record(tok)
             undo.push_async_callback(self.client.close)
-            try:
-                await self.client.connect()
-            except EtcdError as exc:
-                logger.warning("etcd not reachable at start, retrying: %s", exc)
-            else:
-                await ensure_id_free(self.client, cfg.layout.instance(cfg.instance_id),
-                                     cfg.instance_id, source=SOURCE)
+            await connect_and_claim(self.client, cfg.layout.instance(cfg.instance_id),
+                                    cfg.instance_id, source=SOURCE)
             undo.push_async_callback(self.probe.close)
             await self.probe.start()
             undo.push_async_callback(self.bootstrap.close)

@@ -29,7 +29,7 @@ IID = "agent-start"
 STEPS = [
     ("subscriber", KVEventSubscriber, "start"),
     ("connect", EtcdClient, "connect"),
-    ("claim", None, "index.agent.ensure_id_free"),
+    ("claim", None, "index.agent.connect_and_claim"),
     ("lease", LeaseSession, "run"),
     ("writer", BlockWriter, "start"),
     ("record", None, "record"),
