@@ -13,21 +13,38 @@ from bootstrap.server import create_app
 from kvatlas.etcd_proc import free_port
 
 
-class EngineStub:
-    """``/health`` answers ``health_status``; ``/get_server_info`` answers ``info``; other
-    paths (``/route`` when it stands in for a wrong --bootstrap-url) answer ``route``."""
+class Served:
+    """An aiohttp runner on a free loopback port: ``serve(runner)`` in ``start``, ``stop()``."""
 
-    def __init__(self, info: dict[str, Any] | None = None, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None) -> None:
         self.port = port or free_port()
-        self.health_status = 200
-        self.info = info if info is not None else {"page_size": 16}
-        self.route: tuple[int, Any] = (404, "not found")
-        self.health_calls = 0
         self._runner: web.AppRunner | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    async def serve(self, runner: web.AppRunner) -> None:
+        self._runner = runner
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+class EngineStub(Served):
+    """``/health`` answers ``health_status``; ``/get_server_info`` answers ``info``; other
+    paths (``/route`` when it stands in for a wrong --bootstrap-url) answer ``route``."""
+
+    def __init__(self, info: dict[str, Any] | None = None, port: int | None = None) -> None:
+        super().__init__(port)
+        self.health_status = 200
+        self.info = info if info is not None else {"page_size": 16}
+        self.route: tuple[int, Any] = (404, "not found")
+        self.health_calls = 0
 
     async def _health(self, _: web.Request) -> web.Response:
         self.health_calls += 1
@@ -47,40 +64,21 @@ class EngineStub:
         app.router.add_get("/health", self._health)
         app.router.add_get("/get_server_info", self._info)
         app.router.add_get("/route", self._route)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await self.serve(web.AppRunner(app, access_log=None))
         return self
 
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
-
-class BootstrapStub:
+class BootstrapStub(Served):
     """kvatlas's bootstrap server without etcd: the SGLang wire, served in-process."""
 
     def __init__(self, instance_id: str) -> None:
-        self.port = free_port()
+        super().__init__()
         self.config = BootstrapConfig(instance_id=instance_id, model="tiny", host="127.0.0.1",
                                       port=self.port)
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> BootstrapStub:
-        self._runner = make_runner(create_app(self.config), access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await self.serve(make_runner(create_app(self.config), access_log=None))
         return self
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
 
 def rank_body(tp: int, tp_size: int, port: int, ip: str = "127.0.0.1") -> dict[str, Any]:
