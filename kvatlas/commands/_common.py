@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import signal
 
 from index.etcd import EtcdSettings
 from index.keys import DEFAULT_PREFIX, KeyLayout
@@ -45,3 +47,13 @@ def etcd_settings(args: argparse.Namespace) -> EtcdSettings:
 
 def key_layout(args: argparse.Namespace) -> KeyLayout:
     return KeyLayout(prefix=args.etcd_prefix)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (call inside the running loop): what a serving
+    command waits on before it closes what it started."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop

@@ -5,7 +5,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 import time
 from typing import Any
@@ -20,7 +19,7 @@ from index.etcd import EtcdClient
 from index.keys import loads
 from index.record import InstanceRecord
 from kvatlas.cli import CLIError
-from kvatlas.commands._common import add_etcd_args, etcd_settings, key_layout
+from kvatlas.commands._common import add_etcd_args, etcd_settings, key_layout, stop_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +62,7 @@ async def serve(config: BootstrapConfig) -> None:
         except OSError as exc:
             raise CLIError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}; "
                            "pick another --port") from None
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         mirror = f"mirrored to etcd {config.etcd.display}" if config.etcd else "no etcd mirror"
         print(f"kvatlas bootstrap: instance {config.instance_id} listening on "
               f"http://{config.host}:{config.port} ({mirror})", flush=True)

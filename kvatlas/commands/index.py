@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from index.keys import validate_model
 from index.record import InstanceRecord
 from index.table import BlockTable
 from kvatlas.cli import CLIError
-from kvatlas.commands._common import key_layout
+from kvatlas.commands._common import key_layout, stop_on_signals
 from kvatlas.commands._index_stats import add_stats_parser
 from kvatlas.commands._prompt import (
     add_prompt_args,
@@ -113,10 +112,7 @@ async def _serve_agent(config: AgentConfig) -> None:
     agent = IndexAgent(config)
     await agent.start()
     try:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         ev = config.events
         print(f"kvatlas index agent: instance {config.instance_id} model {config.model}: KV events "
               f"{'bound at' if ev.binds else 'from'} {agent.subscriber.last_endpoint()}"

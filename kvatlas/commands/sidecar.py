@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 from typing import Any
 
 from kvatlas.cli import CLIError
+from kvatlas.commands._common import stop_on_signals
 from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_etcd_settings
 
 
@@ -44,10 +44,7 @@ async def _serve(config: Any) -> None:
 
     sidecar = Sidecar(config)
     await sidecar.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     ev = config.events
     print(f"kvatlas sidecar: instance {config.instance_id} ({config.role}, {config.model}): "
           f"engine {config.engine_url}"
