@@ -68,19 +68,17 @@ class HealthChecker:
         it did not answer (a 5xx is no answer: a worker still starting, a proxy before it),
         never again when it answered without one (not every engine does: a 404)."""
         try:
-            resp = await asyncio.wait_for(self.upstreams.of(worker).request(
-                "GET", "/server_info", {}, b""), self.config.health_timeout)
-            body = resp.take()
-            resp.release()
+            status, body = await self.upstreams.get(worker, "/server_info",
+                                                    self.config.health_timeout)
         except (TimeoutError, UpstreamError) as exc:
             logger.debug("/server_info of %s: %r", worker.url, exc)
             return
-        if resp.status >= 500:
-            logger.debug("/server_info of %s: status %d", worker.url, resp.status)
+        if status >= 500:
+            logger.debug("/server_info of %s: status %d", worker.url, status)
             return
         worker.info_asked = True
         try:
-            info = json.loads(body) if resp.status == 200 else None
+            info = json.loads(body) if status == 200 else None
         except (ValueError, UnicodeDecodeError, RecursionError):
             info = None
         stated, known = stated_limits(info, worker.instance_id), worker.limits

@@ -41,15 +41,12 @@ class LoadScraper:
 
     async def scrape(self, worker: Worker) -> None:
         try:
-            resp = await asyncio.wait_for(self.upstreams.of(worker).request(
-                "GET", "/metrics", {}, b""), self.timeout)
-            body = resp.take()
-            resp.release()
+            status, body = await self.upstreams.get(worker, "/metrics", self.timeout)
         except (TimeoutError, UpstreamError) as exc:
             self.failures += 1
             logger.debug("/metrics of %s: %r", worker.url, exc)
             return
-        if resp.status != 200:
+        if status != 200:
             return
         load = parse_metrics(body.decode("utf-8", "replace"), self.clock())
         if load is not None:

@@ -1,6 +1,8 @@
 """One keep-alive upstream pool per worker URL, shared by dispatch and the health checks."""
 from __future__ import annotations
 
+import asyncio
+
 from router.config import RouterConfig
 from router.http.client import UpstreamPool
 from router.workers import Worker, WorkerPools
@@ -21,6 +23,14 @@ class Upstreams:
                 worker.url, connect_timeout=cfg.connect_timeout,
                 read_timeout=cfg.request_timeout, max_idle=cfg.max_connections)
         return pool
+
+    async def get(self, worker: Worker, path: str, timeout: float) -> tuple[int, bytes]:
+        """``GET path`` on ``worker`` read whole within ``timeout`` (the background readers'
+        call: health info, /metrics); TimeoutError or UpstreamError when it gets no answer."""
+        resp = await asyncio.wait_for(self.of(worker).request("GET", path, {}, b""), timeout)
+        body = resp.take()
+        resp.release()
+        return resp.status, body
 
     def _on_worker_change(self, event: str, worker: Worker) -> None:
         # A departed or moved worker's connections would otherwise linger until their sockets
