@@ -404,6 +404,7 @@ def counters_doc(model: str, ingestor: InstanceIngestor | Sequence[InstanceInges
             malformed.update(sub.malformed)
         doc["malformed"] = dict(malformed)
         doc["received"] = sum(sub.received for sub in subs)
+        doc["publishers"] = sum(sub.publishers for sub in subs)
     return doc
 
 

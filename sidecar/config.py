@@ -76,6 +76,12 @@ class SidecarConfig:
     """Seconds an unhealthy engine keeps its record and blocks before the lease is revoked."""
     bootstrap_poll: float = 0.5
     """Seconds between reads of the prefill's bootstrap topology and ranks."""
+    publisher_wait: float = 5.0
+    """Seconds to wait, after binding the KV-event endpoints, for the engine's publisher (each
+    DP rank's) to connect before the record makes the instance routable: what an engine
+    publishes before its subscriber is connected is lost, and with nothing published after it
+    no gap ever shows. Past it the sidecar goes on and says which endpoint has no publisher;
+    0: do not wait."""
 
     def __post_init__(self) -> None:
         validate_instance_id(self.instance_id)
@@ -101,7 +107,8 @@ class SidecarConfig:
         if not 2 <= self.lease_ttl <= 3600:
             raise ValueError(f"--lease-ttl must be within [2, 3600] s, got {self.lease_ttl}")
         for name, lo, hi in (("health_interval", 0.05, 60.0), ("health_timeout", 0.05, 60.0),
-                             ("unhealthy_grace", 0.0, 86400.0), ("bootstrap_poll", 0.05, 60.0)):
+                             ("unhealthy_grace", 0.0, 86400.0), ("bootstrap_poll", 0.05, 60.0),
+                             ("publisher_wait", 0.0, 60.0)):
             value = getattr(self, name)
             if not lo <= value <= hi:
                 flag = "--" + name.replace("_", "-")
@@ -175,6 +182,10 @@ class SidecarConfig:
         parser.add_argument("--bootstrap-poll", type=float, default=d.bootstrap_poll,
                             help=f"seconds between bootstrap table reads (default "
                                  f"{d.bootstrap_poll})")
+        parser.add_argument("--publisher-wait", type=float, default=d.publisher_wait,
+                            help="seconds to wait for the engine's KV-event publisher to connect "
+                                 "before the instance is made routable (default "
+                                 f"{d.publisher_wait:g}; 0: do not wait)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, etcd: EtcdSettings) -> SidecarConfig:
@@ -190,4 +201,5 @@ class SidecarConfig:
                    etcd=etcd, etcd_prefix=getattr(args, "etcd_prefix", DEFAULT_PREFIX),
                    lease_ttl=args.lease_ttl, health_interval=args.health_interval,
                    health_timeout=args.health_timeout, unhealthy_after=args.unhealthy_after,
-                   unhealthy_grace=args.unhealthy_grace, bootstrap_poll=args.bootstrap_poll)
+                   unhealthy_grace=args.unhealthy_grace, bootstrap_poll=args.bootstrap_poll,
+                   publisher_wait=args.publisher_wait)

@@ -29,6 +29,7 @@ from index.agent_stats import StatsPublisher
 from index.claim import connect_and_claim, ensure_id_free
 from index.dp_union import DPUnion, subscribe_dp_ranks
 from index.etcd import EtcdClient
+from index.events.subscriber import KVEventSubscriber
 from index.lease import Backoff, LeaseSession, cancel_and_wait
 from index.lifecycle import undo_on_failure
 from index.owned import LeasedKeys
@@ -121,6 +122,7 @@ class Attachment:
                                        "check --kv-events and --dp-size") from None
                 ingestors = [i for i, _ in self.subscribed]
                 subs = [s for _, s in self.subscribed]
+                await self._await_publishers(subs)
                 writer = self.writer
                 self.stats = StatsPublisher.with_session(
                     self.session, cfg.layout, cfg.instance_id,
@@ -133,6 +135,25 @@ class Attachment:
                 self._spawn(self.stats.run(), "sidecar-stats")
             if self.ranks is not None:
                 self._spawn(self._poll_ranks(), "sidecar-ranks")
+
+    async def _await_publishers(self, subs: list[KVEventSubscriber]) -> None:
+        """Hold the record back until every DP rank's publisher is connected (or the wait is
+        over): a router would otherwise send it requests whose events nobody receives."""
+        wait = self.config.publisher_wait
+        if not wait or not subs:
+            return
+        t0 = time.monotonic()
+        ok = await asyncio.gather(*(s.wait_publisher(wait) for s in subs))
+        missing = [s.config.endpoint for s, up in zip(subs, ok, strict=True) if not up]
+        if missing:
+            logger.warning("sidecar %s: no KV-event publisher connected to %s within %g s; going "
+                        "on (the engine's --kv-events-config endpoint must be this one; what it "
+                        "publishes before connecting is lost)", self.config.instance_id,
+                        ", ".join(missing), wait)
+        else:
+            logger.info("sidecar %s: KV-event publisher%s connected after %.2f s",
+                     self.config.instance_id, "s" if len(subs) > 1 else "",
+                     time.monotonic() - t0)
 
     def _spawn(self, coro: Any, name: str) -> None:
         self._tasks.append(asyncio.create_task(coro, name=name))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from index.events.codec import END_SEQ, DecodeLimits, decode_message
 from index.events.endpoints import bindable, connectable, is_ipv6, parse_tcp, publisher_binds
@@ -96,6 +97,13 @@ class KVEventSubscriber:
         self._ctx: zmq.asyncio.Context | None = None
         self._sub: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self.publishers = 0
+        """Publishers connected now (ZMQ handshakes done, not yet disconnected)."""
+        self.connections = 0
+        """Publisher connections made since start (a reconnecting engine counts again)."""
+        self._connected = asyncio.Event()
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._monitor_task: asyncio.Task[None] | None = None
         self._model = config.model.encode() if config.model else None
 
     async def start(self) -> None:
@@ -111,6 +119,12 @@ class KVEventSubscriber:
         # Stored before bind/connect so that close() releases it even when binding fails;
         # otherwise ctx.term() would wait forever on the orphaned socket.
         self._sub = sub
+        # Watched because a PUB drops what it publishes before a subscriber's subscription has
+        # reached it (ZMQ's slow joiner): whoever makes an instance routable waits for this.
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                               | zmq.EVENT_DISCONNECTED)
+        self._monitor_task = asyncio.get_running_loop().create_task(
+            self._watch_publishers(), name="kv-events-monitor")
         if cfg.binds:
             sub.bind(bindable(cfg.endpoint))
         else:
@@ -118,6 +132,37 @@ class KVEventSubscriber:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kv-events-sub")
         log.info("KV events for %s: %s %s", self.ingestor.instance,
                  "bound" if cfg.binds else "connected to", cfg.endpoint)
+
+    async def _watch_publishers(self) -> None:
+        mon = self._monitor
+        assert mon is not None
+        while True:
+            event = parse_monitor_message(await mon.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.publishers += 1
+                self.connections += 1
+                self._connected.set()
+                log.info("KV events for %s: a publisher connected (%d now)",
+                         self.ingestor.instance, self.publishers)
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.publishers = max(0, self.publishers - 1)
+                if not self.publishers:
+                    self._connected.clear()
+                log.info("KV events for %s: a publisher disconnected (%d left)",
+                         self.ingestor.instance, self.publishers)
+
+    async def wait_publisher(self, timeout: float) -> bool:
+        """True once a publisher is connected (within ``timeout`` seconds), False otherwise.
+
+        The subscription travels to the publisher right after the handshake, so events sent
+        from then on arrive; those published earlier are lost unless replayed."""
+        if self._connected.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def last_endpoint(self) -> str:
         assert self._sub is not None, "start() first"
@@ -203,15 +248,22 @@ class KVEventSubscriber:
 
     def stats(self) -> dict[str, object]:
         return {"instance": self.ingestor.instance, "state": self.ingestor.state,
-                "received": self.received, "malformed": dict(self.malformed),
+                "received": self.received, "publishers": self.publishers,
+                "connections": self.connections, "malformed": dict(self.malformed),
                 "apply_errors": self.apply_errors, **self.ingestor.stats.as_dict()}
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        for task in (self._task, self._monitor_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._task = self._monitor_task = None
+        if self._monitor is not None:
+            if self._sub is not None:
+                self._sub.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._sub is not None:
             self._sub.close()
             self._sub = None

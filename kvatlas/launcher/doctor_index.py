@@ -69,6 +69,7 @@ def index_links(iid: str, health: dict[str, Any] | None,
     links.append((f"{iid}: KV events arrive", not silent,
                   f"served {served} requests of >= 1 full block; "
                   f"{'no counters' if stats is None else f'{received or 0} event batches received'}"
+                  f"{_publishers(stats)}"
                   f"; the index holds {blocks} of its blocks",
                   "the engine publishes where nobody listens: its --kv-events-config endpoint "
                   "must equal the sidecar's --kv-events (the sidecar binds it; DP rank r on port "
@@ -86,3 +87,10 @@ def index_links(iid: str, health: dict[str, Any] | None,
                   "--tokenizer; check the chat template) or hashes in another namespace (LoRA, "
                   "cache salt)"))
     return links
+
+
+def _publishers(stats: dict[str, Any] | None) -> str:
+    """``, N publishers connected`` where the counters say (a sidecar or agent that binds sees
+    its engine's publisher connect; 0 means the engine publishes elsewhere or not at all)."""
+    n = (stats or {}).get("publishers")
+    return "" if n is None else f", {n} publisher{'' if n == 1 else 's'} connected"

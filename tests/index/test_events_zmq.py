@@ -106,6 +106,31 @@ async def test_slow_joiner_recovers_everything_through_replay(cleanup: list) -> 
     assert not sub.malformed and not sub.ingestor.stats.rejected
 
 
+async def test_publisher_connections_are_watched_so_nothing_is_published_into_the_void(
+        cleanup: list) -> None:
+    """The subscriber knows when a publisher is connected: a batch published after
+    ``wait_publisher`` returns arrives with no replay, and a publisher that goes away is
+    counted out."""
+    ep = tcp()
+    sub = await start_sub(cleanup, ep, None)
+    assert not await sub.wait_publisher(0.3)
+    assert sub.stats()["publishers"] == 0
+    pub = KVEventPublisher(PublisherConfig(endpoint=ep, replay_endpoint=None))
+    await pub.start()
+    assert await sub.wait_publisher(10)
+    assert sub.publishers == 1 and sub.connections == 1
+    batches = workload(1)
+    # The subscription follows the handshake by a loopback hop; what makes an instance
+    # routable (an etcd write, a router's watch, a request) takes far longer than this.
+    await asyncio.sleep(0.2)
+    pub.drain(list(batches[0]))
+    await eventually(lambda: sub.ingestor.stats.last_seq == 0, what="seq 0, never replayed")
+    assert sub.ingestor.stats.gaps == 0
+    await pub.close()
+    await eventually(lambda: sub.publishers == 0, what="the publisher counted out")
+    assert not await sub.wait_publisher(0.1)
+
+
 class Forwarder:
     """A raw XPUB connected to the subscriber: sends exactly the frames a test chooses (as a lossy
     network would deliver them) and knows when the subscription has arrived."""

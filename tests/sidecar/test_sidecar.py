@@ -241,11 +241,14 @@ async def test_events_of_every_dp_rank_are_indexed_and_another_block_size_is_rej
     publishers = [KVEventPublisher(PublisherConfig(endpoint=f"tcp://127.0.0.1:{port + r}"))
                   for r in range(2)]
     try:
+        # Publishing engines connect (and retry) before their sidecar binds, as SGLang's do.
+        for pub in publishers:
+            await pub.start()
         async with running(cfg) as (sc, _):
+            # The record waits for both publishers: from then on nothing published is lost.
             await until(record_of(etcd, layout), 5.0)
-            for pub in publishers:
-                await pub.start()
-            await asyncio.sleep(0.5)  # the connections settle (ZMQ's slow joiner)
+            assert sc.attachment is not None
+            assert [s.publishers for _, s in sc.attachment.subscribed] == [1, 1]
             publishers[0].drain([BlockStored([11], None, list(range(16)), 16)])
             publishers[1].drain([BlockStored([22], None, list(range(100, 116)), 16)])
             publishers[1].drain([BlockStored([33], None, list(range(8)), 8)])

@@ -63,7 +63,8 @@ FAULTS = {
     "block_size": (lambda e: ("--block-size", "32"), (),
                    {"index settings match the router": "block_size: router 16, instance 32",
                     "no KV events rejected": "block_size_mismatch"}),
-    "no_events": (_wrong_events, (), {"KV events arrive": "0 event batches received"}),
+    "no_events": (_wrong_events, (), {"KV events arrive":
+                                       "0 event batches received, 0 publishers connected"}),
     "hashes": (lambda e: ("--tokenizer", "smollm2-135m"),
                ("--tokenizer", "smollm2-135m", "--canary-delay", "0.5", "--canary-interval",
                 "0.1"),
