@@ -16,6 +16,7 @@ Launch settings (why they are what they are):
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -65,6 +66,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct free ports for one process to bind: each probe socket stays bound until
+    all are picked, since separate ``free_port()`` calls may hand out one port twice."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            s = stack.enter_context(socket.socket())
+            s.bind((host, 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 
 import requests_shim as http
 
-from kvatlas.etcd_proc import free_port
+from kvatlas.etcd_proc import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,8 +30,8 @@ def _env() -> dict[str, str]:
 class Proc:
     def __init__(self, mode: str, *extra: str, model: str = "tiny") -> None:
         self.mode = mode
-        self.port = free_port()
-        self.bport = free_port() if mode == "prefill" else None
+        self.port, bport = free_ports(2)
+        self.bport = bport if mode == "prefill" else None
         args = [sys.executable, "-m", "kvatlas", "engine", "serve", "--mode", mode,
                 "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
                 "--num-pages", "1024", "--transfer-heartbeat-interval", "0.3",

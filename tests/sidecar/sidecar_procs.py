@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvatlas.etcd_proc import free_port
+from kvatlas.etcd_proc import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
@@ -95,12 +95,13 @@ class Engine(Spawned):
 
     def __init__(self, mode: str, name: str, *extra: str) -> None:
         self.mode = mode
-        self.port = free_port()
-        self.bport = free_port() if mode == "prefill" else None
-        self.events = f"tcp://127.0.0.1:{free_port()}" if mode == "prefill" else None
+        http, bport, events, replay = free_ports(4)
+        self.port = http
+        self.bport = bport if mode == "prefill" else None
+        self.events = f"tcp://127.0.0.1:{events}" if mode == "prefill" else None
         # With replay, events a sidecar missed (ZMQ's slow joiner) are asked for again rather
         # than taken as lost, as a deployment should run it.
-        self.replay = f"tcp://127.0.0.1:{free_port()}" if mode == "prefill" else None
+        self.replay = f"tcp://127.0.0.1:{replay}" if mode == "prefill" else None
         args = ["engine", "serve", "--mode", mode, "--model", MODEL, "--host", "127.0.0.1",
                 "--port", str(self.port), "--num-pages", "1024", "--page-size", str(PAGE),
                 "--instance-id", name, "--transfer-heartbeat-interval", "0.3",
