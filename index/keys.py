@@ -3,6 +3,7 @@
 ``/{prefix}/v1/instances/{instance_id}``
 ``/{prefix}/v1/ranks/{instance_id}/{dp}/{cp}/{tp}/{pp}``
 ``/{prefix}/v1/blocks/{model}/{instance_id}/{hash:016x}``
+``/{prefix}/v1/predictions/{router_id}/{slot:03d}`` (routers' recent routing predictions)
 
 Model names may contain ``/`` (``org/name``), so they are percent-encoded in the path.
 """
@@ -104,3 +105,18 @@ class KeyLayout:
         if len(parts) != 3 or not _HASH_RE.fullmatch(tail):
             raise ValueError(f"not a block key: {key!r}")
         return unquote(parts[0]), parts[1], int(tail, 16)
+
+    # predictions: each router's recent routing decisions, a ring of slots under its lease
+    def predictions_prefix(self, router_id: str | None = None) -> bytes:
+        tail = f"{router_id}/" if router_id is not None else ""
+        return f"{self.root}predictions/{tail}".encode()
+
+    def prediction(self, router_id: str, slot: int) -> bytes:
+        return f"{self.root}predictions/{router_id}/{slot:03d}".encode()
+
+    def parse_prediction(self, key: bytes) -> str:
+        """The router id of a prediction key."""
+        parts = key.decode()[len(self.predictions_prefix()):].split("/")
+        if len(parts) != 2 or not parts[0]:
+            raise ValueError(f"not a prediction key: {key!r}")
+        return parts[0]

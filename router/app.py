@@ -27,7 +27,9 @@ from router.errors import RouterError
 from router.handlers import Services
 from router.health import HealthChecker
 from router.http.server import HttpServer, Request, Response, Stream
+from router.kv_aware import KvAware
 from router.load_scraper import LoadScraper
+from router.shared_predictions import PeerPredictions, PredictionPublisher, ShareStats
 from router.state import RouterState
 from router.upstreams import Upstreams
 
@@ -52,6 +54,8 @@ class RouterApp:
         self.metrics_server: HttpServer | None = None
         """The separate ``/metrics`` listener, with ``--prometheus-port``."""
         self.metrics_port: int | None = None
+        self.shared_predictions: PeerPredictions | None = None
+        """The other routers' predictions, followed (kv_aware with etcd)."""
         self._stack = contextlib.AsyncExitStack()
         self.admission = Admission(config.max_concurrent_requests, config.queue_size,
                                    config.queue_timeout)
@@ -192,7 +196,27 @@ class RouterApp:
             state.discovery = InstanceDiscovery(client, cfg.layout, state.pools, cfg.model)
             stack.push_async_callback(state.discovery.close)
             state.discovery.start()
+            self._share_predictions(client, stack)
             yield
+
+    def _share_predictions(self, client: EtcdClient, stack: contextlib.AsyncExitStack) -> None:
+        """kv_aware: publish this router's predictions, follow the other routers'."""
+        state, cfg = self.state, self.config
+        policy = state.prefill_policy
+        if not cfg.share_predictions or not isinstance(policy, KvAware):
+            return
+        assert cfg.router_id is not None  # RouterConfig fills it in
+        stats = state.shared = ShareStats()
+        publisher = PredictionPublisher(client, cfg.layout, cfg.router_id, cfg.share_window,
+                                        stats)
+        stack.push_async_callback(publisher.close)
+        publisher.start()
+        peers = PeerPredictions(client, cfg.layout, cfg.router_id, policy.peer_routed,
+                                cfg.prediction_catch_up, stats)
+        stack.push_async_callback(peers.close)
+        peers.start()
+        policy.share = publisher.offer
+        self.shared_predictions = peers
 
     @contextlib.asynccontextmanager
     async def _health_ctx(self) -> AsyncIterator[None]:

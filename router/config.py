@@ -3,14 +3,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import secrets
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from index.etcd import EtcdSettings
-from index.keys import DEFAULT_PREFIX, KeyLayout, validate_model
+from index.keys import DEFAULT_PREFIX, KeyLayout, validate_instance_id, validate_model
 from index.tiers import TierWeights
 from router.engine_load import check_thresholds
+from router.kv_flags import add_kv_aware_args, kv_aware_kwargs
 from tokenization import BYTE, TokenizerError, can_load, canonical_model
 from tokenization.assets import KNOWN_NAMES, is_known
 
@@ -22,6 +26,14 @@ POLICY_ALIASES = {"cache_aware": "kv_aware"}
 """sglang-router's names, accepted so that its command lines work unchanged: its cache_aware
 (an approximate per-router text tree) maps to kv_aware (the global block index)."""
 MAX_PORT = 65535
+
+
+def default_router_id() -> str:
+    """``host-pid-random``, an instance id that differs for every router process."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64] or "router"
+    if not host[0].isalnum():
+        host = "r" + host
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 def check_url(url: str) -> str:
@@ -160,6 +172,15 @@ class RouterConfig:
     work_half_life: float = 2.0
     """Half-life in seconds of finished prefill work in the kv_aware load term (0: count only
     in-flight work). Spreads new conversations at low concurrency."""
+    share_predictions: bool = True
+    """kv_aware with etcd: publish this router's predictions and follow the other routers'
+    (router/shared_predictions.py), so that a conversation whose turns reach different routers
+    finds its holder before the engines' KV events do. Costs one etcd put per
+    ``share_window`` in which this router routed a prompt the index did not fully show."""
+    share_window: float = 0.01
+    """Seconds of predictions gathered into one etcd put."""
+    router_id: str | None = None
+    """This router's name among the routers sharing predictions (None: host-pid-random)."""
     prediction_max_blocks: int = 1_000_000
     """Bound on predicted (instance, block) entries; the oldest go first past it."""
     canary_delay: float = 2.0
@@ -262,6 +283,11 @@ class RouterConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         check_thresholds(self.busy_queue, self.busy_kv_usage)
+        if not 0.001 <= self.share_window <= 1.0:
+            raise ValueError(f"share_window must be within [0.001, 1] s, got {self.share_window}")
+        if self.router_id is None:
+            self.router_id = default_router_id()
+        validate_instance_id(self.router_id)
         for name in ("overlap_weight", "temperature", "prediction_catch_up", "work_half_life",
                      "load_interval", "send_weight",
                      "canary_delay", "canary_interval",
@@ -334,37 +360,11 @@ class RouterConfig:
                                  "workers state in /server_info or their etcd record)")
         parser.add_argument("--block-size", type=int, default=d.block_size,
                             help="tokens per KV block (the engines' page size)")
-        parser.add_argument("--overlap-weight", type=float, default=d.overlap_weight)
-        w = TierWeights()
-        parser.add_argument("--gpu-hit-weight", type=float, default=w.device,
-                            help=f"kv_aware: worth of a matched device block (default {w.device})")
-        parser.add_argument("--host-hit-weight", type=float, default=w.host,
-                            help="kv_aware: worth of a matched host (CPU) block "
-                                 f"(default {w.host})")
-        parser.add_argument("--disk-hit-weight", type=float, default=w.disk,
-                            help=f"kv_aware: worth of a matched disk block (default {w.disk})")
-        parser.add_argument("--load-interval", type=float, default=d.load_interval,
-                            help="seconds between reads of the workers' /metrics (engine queue, "
-                                 f"running, KV usage; 0: off; default {d.load_interval:g})")
-        parser.add_argument("--busy-queue", type=int, default=None,
-                            help="engine queue length at which a worker is busy (default off)")
-        parser.add_argument("--busy-kv-usage", type=float, default=None,
-                            help="engine KV usage (0..1] at which a worker is busy (default off)")
-        parser.add_argument("--send-weight", type=float, default=d.send_weight,
-                            help="kv_aware: cost of sending a block's KV to the decode, in "
-                                 f"blocks of compute (default {d.send_weight})")
+        add_kv_aware_args(parser, d)
         parser.add_argument("--explain-routes", action="store_true",
                             help="add X-Kvatlas-Route (the decision, its cost terms) to every "
                                  "answer (default: only when the request sends "
                                  "X-Kvatlas-Explain: 1)")
-        parser.add_argument("--temperature", type=float, default=d.temperature,
-                            help="kv_aware softmax temperature (0: argmin)")
-        parser.add_argument("--prediction-ttl", type=float, default=d.prediction_ttl,
-                            help="hard bound on a kv_aware prediction's life, seconds")
-        parser.add_argument("--prediction-catch-up", type=float, default=d.prediction_catch_up,
-                            help="seconds a prediction bridges the index's lag (default 5)")
-        parser.add_argument("--work-half-life", type=float, default=d.work_half_life,
-                            help="half-life of finished prefill work in the load term, seconds")
         parser.add_argument("--canary-delay", type=float, default=d.canary_delay,
                             help="seconds after a served prompt before the router checks that "
                                  "the index shows it on its prefill (default 2)")
@@ -440,14 +440,7 @@ class RouterConfig:
             admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
             max_body=args.max_body, max_prompt_tokens=args.max_prompt_tokens,
             block_size=args.block_size,
-            overlap_weight=args.overlap_weight, temperature=args.temperature,
-            explain_routes=args.explain_routes, load_interval=args.load_interval,
-            send_weight=args.send_weight,
-            busy_queue=args.busy_queue, busy_kv_usage=args.busy_kv_usage,
-            tier_weights=TierWeights(args.gpu_hit_weight, args.host_hit_weight,
-                                     args.disk_hit_weight),
-            prediction_ttl=args.prediction_ttl,
-            prediction_catch_up=args.prediction_catch_up, work_half_life=args.work_half_life,
+            explain_routes=args.explain_routes, **kv_aware_kwargs(args),
             canary_delay=args.canary_delay, canary_interval=args.canary_interval,
             health_interval=args.health_interval,
             health_timeout=args.health_timeout,

@@ -1,4 +1,4 @@
-"""The kv_aware prefill policy: longest cached prefix (etcd mirror + own predictions) vs load.
+"""The kv_aware prefill policy: longest cached prefix (etcd mirror + predictions) vs load.
 
 Cost (Dynamo's model, every term in prefill blocks so that they compare)::
 
@@ -42,6 +42,10 @@ one instance before the engine's KV events made the round trip through etcd) und
   and must not be resurrected. A prompt already fully indexed on the instance when routed
   predicts nothing.
 
+Other routers publish their predictions (``router.shared_predictions``); each counts here as
+held like an own one, settled by time alone (``prediction_catch_up`` once the index shows the
+instance), and without the load discount below: its request is in another router's load.
+
 ``prediction_ttl`` stays the hard bound on how long any prediction is kept; the entries live in
 a ``BlockTable`` (the index's own structure, same lookup cost), ``prediction_max_blocks`` bounds
 their number.
@@ -56,12 +60,13 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 from index.hashing import namespace_seed
-from index.table import BlockTable
 from index.tiers import TierMatch
 from router.config import RouterConfig
 from router.engine_load import fresh
 from router.policy import Choice, Policy, RouteContext
+from router.predictions import Prediction
 from router.prompt_hashes import PromptHasher
+from router.work_load import WorkLoad
 from router.workers import Worker
 
 Lookup = Callable[[Sequence[int], "str | None"], dict[str, int]]
@@ -104,182 +109,6 @@ CONFIRM_SCAN = 8
 _UNVERSIONED: Any = object()
 
 
-class Prediction:
-    """Blocks recently routed to each instance, forgotten after ``ttl`` seconds or when settled.
-
-    Per instance: a queue of routed prompts ``(time, seq, hashes)`` in routing order and
-    ``{hash: seq of the latest add}``; a block leaves the table when the newest entry that added
-    it leaves. Layout chosen for the garbage collector: dicts of ints and tuples of ints only, so
-    CPython stops tracking them and a full collection does not walk them.
-    """
-
-    def __init__(self, ttl: float = 120.0, max_blocks: int = 1_000_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.ttl = ttl
-        self.max_blocks = max_blocks
-        self._clock = clock
-        self.table = BlockTable()
-        self._added: dict[str, dict[int, int]] = {}
-        self._queues: dict[str, deque[tuple[float, int, tuple[int, ...]]]] = {}
-        self._count = 0
-        self._oldest = math.inf
-        """At most the time of the oldest entry of any queue (entries leave only from the
-        front and new queues lower it), so that expire() can tell it has nothing to do."""
-        self._held = 0
-        """Hashes held by queue entries, all entries together: a same-prefix stream of
-        requests adds entries without adding blocks, so ``max_blocks`` alone would not bound
-        the memory (2 KB per entry for a 50-block prompt)."""
-        self._seq = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    def add(self, instance: str, hashes: Sequence[int]) -> int:
-        """Record ``hashes`` as routed to ``instance``; returns the entry's sequence number."""
-        if not hashes:
-            self._seq += 1
-            return self._seq
-        now = self._clock()
-        self.expire(now)
-        queue = self._queues.get(instance)
-        if queue:
-            last = queue[-1]
-            if last[2][-1] == hashes[-1] and len(last[2]) == len(hashes):
-                # The same prompt again (a chain's last hash stands for the whole chain, as
-                # everywhere in the index): its newest entry already holds every block with
-                # the newest sequence number, so only its time moves. A hot prompt then
-                # costs neither a table write nor a queue entry per request.
-                queue[-1] = (now, last[1], last[2])
-                return last[1]
-        self._seq += 1
-        added = self._added.get(instance)
-        if added is None:
-            added = self._added[instance] = {}
-        before = len(added)
-        added.update(dict.fromkeys(hashes, self._seq))
-        if len(added) != before:
-            # ``added`` holds exactly the instance's blocks in the table: a prompt routed there
-            # again (the usual case) adds nothing to it.
-            self.table.apply_add(instance, hashes)
-            self._count += len(added) - before
-        if not queue:
-            if queue is None:
-                queue = self._queues[instance] = deque()
-            self._oldest = min(self._oldest, now)
-        entry = tuple(hashes)
-        queue.append((now, self._seq, entry))
-        self._held += len(entry)
-        while self._count > self.max_blocks or self._held > 2 * self.max_blocks:
-            oldest = min(self._queues, key=lambda i: self._queues[i][0][1])
-            self._pop(oldest)
-        return self._seq
-
-    def expire(self, now: float | None = None) -> None:
-        """Drop every entry older than ``ttl``."""
-        cutoff = (self._clock() if now is None else now) - self.ttl
-        if cutoff < self._oldest:
-            return  # nothing is that old: the usual case, twice per routed request
-        queues = self._queues
-        for instance in [i for i, q in queues.items() if q[0][0] <= cutoff]:
-            self.settle(instance, before=cutoff)
-        self._oldest = min((q[0][0] for q in queues.values()), default=math.inf)
-
-    def settle(self, instance: str, before: float | None = None,
-               upto_seq: int | None = None) -> None:
-        """Drop the entries of ``instance`` routed at or before time ``before``, and those up to
-        sequence number ``upto_seq``."""
-        queue = self._queues.get(instance)
-        while queue and ((before is not None and queue[0][0] <= before)
-                         or (upto_seq is not None and queue[0][1] <= upto_seq)):
-            self._pop(instance)
-            queue = self._queues.get(instance)
-
-    def _pop(self, instance: str) -> None:
-        queue = self._queues[instance]
-        _, seq, hashes = queue.popleft()
-        self._held -= len(hashes)
-        added = self._added[instance]
-        gone = []
-        for h in hashes:
-            a = added.get(h)
-            # A later add refreshed this block: its own entry will drop it.
-            if a is not None and a <= seq:
-                del added[h]
-                gone.append(h)
-        if gone:
-            self._count -= len(gone)
-            self.table.apply_remove(instance, gone)
-        if not queue:
-            del self._queues[instance]
-            self._added.pop(instance, None)
-
-    def first_seq(self, instance: str) -> int | None:
-        """Sequence number of ``instance``'s oldest live entry (None: it has none)."""
-        queue = self._queues.get(instance)
-        return queue[0][1] if queue else None
-
-    def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
-        self.expire()
-        return self.table.lookup(hashes)
-
-    def forget(self, instance: str) -> None:
-        self.table.clear_instance(instance)
-        self._count -= len(self._added.pop(instance, {}))
-        self._held -= sum(len(e[2]) for e in self._queues.pop(instance, ()))
-
-
-class WorkLoad:
-    """Prefill work (blocks to compute) per instance: in flight, plus recent work decaying."""
-
-    def __init__(self, half_life: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.half_life = half_life
-        self._clock = clock
-        self._running: dict[str, deque[int]] = {}
-        self._sums: dict[str, int] = {}
-        """Sum of each ``_running`` queue, kept as it changes (it is read on every decision)."""
-        self._recent: dict[str, tuple[float, float]] = {}
-
-    def add(self, instance: str, blocks: int) -> None:
-        running = self._running.get(instance)
-        if running is None:
-            running = self._running[instance] = deque()
-        running.append(blocks)
-        self._sums[instance] = self._sums.get(instance, 0) + blocks
-
-    def blocks(self, worker: Worker, now: float) -> float:
-        """``worker``'s load in blocks; first retires the requests it no longer runs."""
-        iid = worker.instance_id
-        load = worker.load
-        running = self._running.get(iid)
-        in_flight = 0
-        if running:
-            keep = load if load > 0 else 0
-            done = 0
-            while len(running) > keep:
-                done += running.popleft()
-            if done:
-                self._sums[iid] -= done
-                self._recent[iid] = (self._recent_at(iid, now) + done, now)
-            if running:
-                in_flight = self._sums[iid]
-                load -= len(running)
-        # Requests the policy did not route (another router path, a retry's stale count).
-        if load > 0:
-            in_flight += load
-        return in_flight + self._recent_at(iid, now)
-
-    def _recent_at(self, instance: str, now: float) -> float:
-        value, at = self._recent.get(instance, (0.0, now))
-        if not value or self.half_life <= 0:
-            return 0.0
-        return value * 0.5 ** (max(now - at, 0.0) / self.half_life)
-
-    def forget(self, instance: str) -> None:
-        self._running.pop(instance, None)
-        self._sums.pop(instance, None)
-        self._recent.pop(instance, None)
-
-
 class KvAware(Policy):
     name = "kv_aware"
 
@@ -303,6 +132,11 @@ class KvAware(Policy):
         self.hasher = PromptHasher(config.block_size)
         self._clock = clock
         self.prediction = Prediction(config.prediction_ttl, config.prediction_max_blocks, clock)
+        self.peer = Prediction(config.prediction_ttl, config.prediction_max_blocks, clock)
+        """Other routers' predictions (router/shared_predictions.py): held the same way as this
+        router's own, but the requests they stand for are not in this router's load."""
+        self.share: Callable[[str, str | None, Sequence[int]], None] | None = None
+        """Where this router's new predictions go for the other routers (None: nowhere)."""
         self.work = WorkLoad(config.work_half_life, clock)
         self.mean_work = 1.0
         """Blocks of prefill work per routed request (a moving average): what one request an
@@ -336,6 +170,7 @@ class KvAware(Policy):
                         version = self.index_version()
                     self._catch_up(iid, now, version)
         predicted = self.prediction.lookup(hashes) if n else {}
+        peer = self.peer.lookup(hashes) if n and len(self.peer) else None
         weight = cfg.overlap_weight
         work = self.work.blocks
         scored: list[Score] = []
@@ -344,16 +179,22 @@ class KvAware(Policy):
         for w in workers:
             iid = w.instance_id
             m_index = indexed.get(iid, 0) if indexed else 0
-            m_pred = predicted.get(iid, 0) if predicted else 0
+            m_own = m_pred = predicted.get(iid, 0) if predicted else 0
+            if peer:
+                m_peer = peer.get(iid, 0)
+                if m_peer > m_pred:
+                    m_pred = m_peer
             tier = tiers.get(iid) if tiers else None
             load = work(w, now)
             if w.engine is not None:
                 load += self._unseen_work(w, now)
             if m_pred > m_index:
-                # Predicted-only blocks are being (or were just) computed there by requests
-                # counted in its load: this prompt needs them anyway, so they do not delay it.
                 m = m_pred
-                load -= m_pred - m_index
+                if m_own > m_index:
+                    # Own predicted-only blocks are being (or were just) computed there by
+                    # requests counted in its load: this prompt needs them anyway, so they do
+                    # not delay it. (A peer's requests are not in this router's load.)
+                    load -= m_own - m_index
                 credited = float(m)
             else:
                 m = m_index
@@ -423,8 +264,10 @@ class KvAware(Policy):
             else:
                 self._unconfirmed.pop(instance, None)
         if instance in self._indexed:
-            self.prediction.settle(instance, before=now - self.config.prediction_catch_up,
-                                   upto_seq=confirmed)
+            before = now - self.config.prediction_catch_up
+            self.prediction.settle(instance, before=before, upto_seq=confirmed)
+            # A peer's prediction has no confirmation to wait for here: time settles it.
+            self.peer.settle(instance, before=before)
         if pending is not None:
             live = self.prediction.first_seq(instance)
             while pending and (live is None or pending[0][0] < live):
@@ -449,6 +292,8 @@ class KvAware(Policy):
         if not choice.hashes or choice.indexed_blocks >= n:
             return  # fully indexed there already: a prediction could only resurrect evictions
         seq = self.prediction.add(instance, choice.hashes)
+        if self.share is not None:
+            self.share(instance, choice.model, choice.hashes)
         if self.lookup is not None:
             # Watched for the index's confirmation, which also tells that the index follows
             # this instance at all (until then its predictions last the full TTL).
@@ -459,10 +304,16 @@ class KvAware(Policy):
                 pending.append((seq, choice.model, choice.hashes[-1]))
 
     def predicted_blocks(self) -> int:
-        return len(self.prediction)
+        return len(self.prediction) + len(self.peer)
+
+    def peer_routed(self, instance: str, model: str | None, hashes: Sequence[int]) -> None:
+        """Another router routed a prompt with these block hashes to ``instance``."""
+        if hashes:
+            self.peer.add(instance, hashes)
 
     def forget(self, instance_id: str) -> None:
         self.prediction.forget(instance_id)
+        self.peer.forget(instance_id)
         self.work.forget(instance_id)
         self._indexed.discard(instance_id)
         self._pending.pop(instance_id, None)

@@ -209,6 +209,16 @@ class RouterMetrics:
         self.index_revision_lag = Gauge("kvatlas_router_index_revision_lag",
                                         "Revisions between etcd's head and the mirror",
                                         registry=r)
+        self.shared_predictions = Counter(
+            "kvatlas_router_shared_predictions",
+            "Routing predictions shared between routers through etcd (sent: this router's; "
+            "received: the other routers', taken; stale: theirs, too old to take)",
+            ["direction"], registry=r)
+        self.shared_prediction_puts = Counter("kvatlas_router_shared_prediction_puts",
+                                              "etcd puts carrying this router's predictions",
+                                              registry=r)
+        self.shared_prediction_bytes = Counter("kvatlas_router_shared_prediction_bytes",
+                                               "Bytes of the values of those puts", registry=r)
         self.predicted_blocks = Gauge("kvatlas_router_predicted_blocks",
                                       "Router-side predicted (instance, block) entries",
                                       registry=r)
@@ -297,6 +307,17 @@ class RouterMetrics:
         self.workers.clear()
         for (role, avail), n in counts.items():
             self.workers.labels(role, avail).set(n)
+
+    def add_shared(self, delta: Any) -> None:
+        """Count a ``ShareStats`` difference (router/shared_predictions.py)."""
+        for direction, n in (("sent", delta.shared), ("received", delta.received),
+                             ("stale", delta.stale)):
+            if n:
+                self.shared_predictions.labels(direction).inc(n)
+        if delta.flushes:
+            self.shared_prediction_puts.inc(delta.flushes)
+        if delta.bytes:
+            self.shared_prediction_bytes.inc(delta.bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,6 +1,7 @@
 """The router's shared state and its pair selection (no I/O here)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Hashable, Sequence
@@ -19,6 +20,7 @@ from router.index_guards import IndexGuards
 from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.policy import Choice, Policy, RouteContext
+from router.shared_predictions import ShareStats
 from router.tokenizers import Tokenizers
 from router.workers import DECODE, PREFILL, Worker, WorkerPools
 
@@ -38,6 +40,9 @@ class RouterState:
         self.index: IndexReader | None = None
         """The block index (the etcd mirror, with --etcd), read through ``IndexReader`` only."""
         self.discovery: InstanceDiscovery | None = None
+        self.shared: ShareStats | None = None
+        """Predictions shared with the other routers (with etcd and kv_aware)."""
+        self._shared_counted = ShareStats()
         self.started_at = time.time()
         self.prefill_policy: Policy = make_policy(config.effective_prefill_policy,
                                                   config=config, lookup=self.index_lookup,
@@ -241,6 +246,9 @@ class RouterState:
             m.index_blocks.set(st.blocks)
             m.index_revision_lag.set(st.revision_lag)
             m.index_stale.set(1 if self.index_detail().get("state") == "stale" else 0)
+        if self.shared is not None:
+            m.add_shared(self.shared.since(self._shared_counted))
+            self._shared_counted = dataclasses.replace(self.shared)
         predicted = self.prefill_policy.predicted_blocks()
         if predicted is not None:
             m.predicted_blocks.set(predicted)

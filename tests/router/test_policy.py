@@ -10,8 +10,9 @@ from index.hashing import block_hashes
 from index.table import BlockTable
 from router.breaker import CircuitBreaker
 from router.config import RouterConfig
-from router.kv_aware import KvAware, Prediction
+from router.kv_aware import KvAware
 from router.policy import PowerOfTwo, RoundRobin, RouteContext
+from router.predictions import Prediction
 from router.workers import Worker
 
 

@@ -1,14 +1,19 @@
 """Several routers over one cluster, with real processes: each finds the workers through etcd
 alone, so a client that retries on another router loses no request when one is killed under
-traffic."""
+traffic; and they share their routing predictions, so a conversation's next turn finds its
+holder through any router before the engines' KV events do."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
 import pytest
 from conftest import SidecarCluster, start_cluster
+from sidecar_procs import Engine, Router
+
+from kvatlas.etcd_proc import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -55,3 +60,61 @@ async def test_a_killed_router_loses_no_request_of_a_client_that_retries(
     assert all(status == 200 for status, _, _ in outcomes), outcomes
     assert any(tries > 1 for _, tries, _ in outcomes)  # some did fail over
     assert max(seconds for _, _, seconds in outcomes) < TIMEOUT
+
+
+def _no_events(engine: Engine) -> tuple[str, ...]:
+    # The sidecar binds an endpoint nobody publishes to: the index stays empty, so only
+    # predictions can tell a router where a prompt went.
+    if engine.mode != "prefill":
+        return ()
+    return ("--kv-events", f"tcp://127.0.0.1:{free_port()}", "--publisher-wait", "0")
+
+
+async def routed(session: aiohttp.ClientSession, url: str, text: str) -> dict:
+    body = {"text": text, "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+    async with session.post(f"{url}/generate", json=body,
+                            headers={"X-Kvatlas-Explain": "1"}) as resp:
+        assert resp.status == 200, await resp.text()
+        return json.loads(resp.headers["X-Kvatlas-Route"])
+
+
+async def received(session: aiohttp.ClientSession, url: str) -> float:
+    """Other routers' predictions ``url``'s router took."""
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    line = 'kvatlas_router_shared_predictions_total{direction="received"} '
+    return sum(float(x[len(line):]) for x in text.splitlines() if x.startswith(line))
+
+
+async def test_a_conversation_sticks_to_its_holder_through_another_router(
+        etcd_endpoint: str, own_cluster: list[SidecarCluster]) -> None:
+    cluster = start_cluster(etcd_endpoint, routers=2, sidecar_extra=_no_events)
+    own_cluster.append(cluster)
+    lone = Router(cluster.etcd, cluster.prefix, "--no-share-predictions")
+    cluster.extra.append(lone)
+    lone.wait_http(f"{lone.url}/readiness", 60)
+    a, b = cluster.router.url, cluster.extra[0].url
+    timeout = aiohttp.ClientTimeout(total=TIMEOUT)
+    holders = set()
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        for i in range(6):
+            turn1 = f"Conversation {i} opens with a question long enough for several blocks. " * 2
+            first = await routed(s, a, turn1)
+            holders.add(first["prefill"])
+            assert first["prompt_blocks"] >= 8
+            turn2 = turn1 + f"And turn two of conversation {i} follows."
+            # Within a second of turn one's answer (typically milliseconds after routing).
+            t0 = time.monotonic()
+            while await received(s, b) < i + 1:
+                assert time.monotonic() - t0 < 1.0, f"router b has not heard of turn {i}"
+                await asyncio.sleep(0.02)
+            # Router b never routed turn one, and the index shows nothing: it knows the holder
+            # from router a's shared prediction alone.
+            second = await routed(s, b, turn2)
+            assert second["prefill"] == first["prefill"], (i, first, second)
+            assert second["index_blocks"] == 0
+            assert second["matched_blocks"] >= first["prompt_blocks"], (i, first, second)
+            # A router that does not share knows nothing of it.
+            alone = await routed(s, lone.url, turn2)
+            assert alone["matched_blocks"] == 0, alone
+    assert len(holders) == 2  # both prefills held conversations (not one by default)

@@ -1,0 +1,230 @@
+"""Routing predictions shared between routers through etcd.
+
+Why: the block index shows a routed prompt only once its engine's KV events went through etcd
+and back (tens to hundreds of milliseconds). Until then the router that routed it bridges the
+lag with its own prediction (``router.kv_aware``), but a conversation whose next turn reaches
+another router finds neither, and that router may send it elsewhere. So each router publishes
+its predictions and follows everyone else's, which count like its own (without the load
+discount: the request they predict is not in this router's load).
+
+Stored form, one key per flush, in a ring of ``SLOTS`` keys per router under its own lease (a
+router that dies takes its ring with it; etcd holds at most ``SLOTS`` keys per router)::
+
+    /{prefix}/v1/predictions/{router_id}/{slot:03d}
+
+    value: 4-byte big-endian header length | msgpack header | hashes, little-endian uint64
+    header: {"v": 1, "t": unix time of the flush, "items": [[instance, model or None, n], ...]}
+
+Item *k*'s ``n`` hashes follow item *k-1*'s. A follower takes a value's predictions as made when
+it arrives, if the value is younger than ``max_age`` by its header time: a live put is
+milliseconds old, while a snapshot (start-up, a reload) or a ring rewritten after its router's
+new lease holds old ones, which must not come back. (Router clocks must agree within
+``max_age``, the prediction catch-up time; skewed ones show as ``stale`` in the metrics.)
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import struct
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+
+from index.etcd import EtcdClient, KeyValue, WatchEvent
+from index.follow import PrefixFollower
+from index.keys import KeyLayout
+from index.lease import LeaseSession, cancel_and_wait
+from index.owned import LeasedKeys
+
+logger = logging.getLogger(__name__)
+
+VERSION = 1
+SLOTS = 64
+"""Keys in each router's ring: a flush overwrites the oldest."""
+MAX_ITEMS = 512
+"""Predictions in one flush; more wait for the next (a burst costs a few more puts, not a
+value past etcd's request limit: 512 prompts of 128 blocks are ~0.5 MiB)."""
+_LEN = struct.Struct(">I")
+
+PeerPrediction = tuple[str, "str | None", tuple[int, ...]]
+"""(instance, model, prompt block hashes) another router routed."""
+
+
+class MalformedPrediction(ValueError):
+    """A predictions value this version cannot read; counted by reason and skipped."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def encode(t: float, items: Sequence[PeerPrediction]) -> bytes:
+    header = msgpack.packb({"v": VERSION, "t": t,
+                            "items": [[i, m, len(h)] for i, m, h in items]})
+    hashes = [h for _, _, hs in items for h in hs]
+    return b"".join((_LEN.pack(len(header)), header, struct.pack(f"<{len(hashes)}Q", *hashes)))
+
+
+def decode(raw: bytes) -> tuple[float, list[PeerPrediction]]:
+    """(flush time, items) of a value; MalformedPrediction when it is not one."""
+    if len(raw) < _LEN.size:
+        raise MalformedPrediction("truncated", f"{len(raw)} bytes")
+    (n,) = _LEN.unpack_from(raw)
+    try:
+        header = msgpack.unpackb(raw[_LEN.size:_LEN.size + n])
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise MalformedPrediction("bad_header", str(exc)) from None
+    if not isinstance(header, dict) or header.get("v") != VERSION:
+        raise MalformedPrediction("version", f"not version {VERSION}: {str(header)[:80]}")
+    body = memoryview(raw)[_LEN.size + n:]
+    items_in = header.get("items")
+    t = header.get("t")
+    if not isinstance(items_in, list) or not isinstance(t, (int, float)):
+        raise MalformedPrediction("bad_header", "items or t missing")
+    if len(body) % 8:
+        raise MalformedPrediction("bad_hashes", f"{len(body)} bytes of hashes")
+    hashes = struct.unpack(f"<{len(body) // 8}Q", body)
+    items: list[PeerPrediction] = []
+    at = 0
+    for item in items_in:
+        if (not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], str)
+                or not isinstance(item[2], int) or item[2] < 0
+                or not (item[1] is None or isinstance(item[1], str))):
+            raise MalformedPrediction("bad_item", str(item)[:80])
+        items.append((item[0], item[1], hashes[at:at + item[2]]))
+        at += item[2]
+    if at != len(hashes):
+        raise MalformedPrediction("bad_hashes", f"{len(hashes)} hashes for {at} announced")
+    return float(t), items
+
+
+@dataclasses.dataclass
+class ShareStats:
+    flushes: int = 0
+    """Values written (etcd puts, one per flush)."""
+    shared: int = 0
+    """Predictions published."""
+    bytes: int = 0
+    """Bytes of the values written."""
+    received: int = 0
+    """Other routers' predictions taken."""
+    stale: int = 0
+    """Predictions skipped as older than ``max_age`` (a snapshot or a lease rewrite)."""
+
+    def since(self, before: ShareStats) -> ShareStats:
+        """What was counted after ``before`` (a copy of these stats taken earlier)."""
+        return ShareStats(*(getattr(self, f.name) - getattr(before, f.name)
+                            for f in dataclasses.fields(self)))
+
+
+class PredictionPublisher:
+    """Batches this router's predictions and writes each batch to the next slot of its ring."""
+
+    def __init__(self, client: EtcdClient, layout: KeyLayout, router_id: str,
+                 window: float = 0.01, stats: ShareStats | None = None,
+                 lease_ttl: int = 10) -> None:
+        self.layout = layout
+        self.router_id = router_id
+        self.window = window
+        self.stats = stats or ShareStats()
+        self.session = LeaseSession(client, lease_ttl)
+        # The ring is this router's alone: a previous run's slots are swept on the first sync.
+        self.keys = LeasedKeys(self.session, [layout.predictions_prefix(router_id)])
+        self._buffer: list[PeerPrediction] = []
+        self._wake = asyncio.Event()
+        self._slot = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def offer(self, instance: str, model: str | None, hashes: Sequence[int]) -> None:
+        """Queue one prediction (called on the routing path: no I/O here)."""
+        self._buffer.append((instance, model, tuple(hashes)))
+        self._wake.set()
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self.session.run(), name="predictions-lease"),
+                       loop.create_task(self.keys.run(), name="predictions-keys"),
+                       loop.create_task(self._flush_loop(), name="predictions-flush")]
+
+    async def close(self) -> None:
+        await cancel_and_wait(*self._tasks)
+        self._tasks = []
+        await self.session.revoke()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            # Gather a window's predictions into one put.
+            await asyncio.sleep(self.window)
+            self._wake.clear()
+            while self._buffer:
+                items, self._buffer = self._buffer[:MAX_ITEMS], self._buffer[MAX_ITEMS:]
+                self.flush(items)
+
+    def flush(self, items: Sequence[PeerPrediction]) -> None:
+        value = encode(time.time(), items)
+        self.keys.set(self.layout.prediction(self.router_id, self._slot), value)
+        self._slot = (self._slot + 1) % SLOTS
+        st = self.stats
+        st.flushes += 1
+        st.shared += len(items)
+        st.bytes += len(value)
+
+
+class PeerPredictions(PrefixFollower):
+    """Follows every router's ring and hands the others' predictions to ``on_peer``."""
+
+    def __init__(self, client: EtcdClient, layout: KeyLayout, router_id: str,
+                 on_peer: Callable[[str, str | None, tuple[int, ...]], None],
+                 max_age: float, stats: ShareStats | None = None) -> None:
+        super().__init__(client, layout.predictions_prefix(), "shared predictions")
+        self.layout = layout
+        self.router_id = router_id
+        self.on_peer = on_peer
+        self.max_age = max_age
+        self.stats = stats or ShareStats()
+        self.refused: Counter[str] = Counter()
+
+    def load(self, revision: int, kvs: list[KeyValue]) -> None:
+        for kv in kvs:
+            self._take(kv.key, kv.value)
+
+    def apply(self, events: list[WatchEvent]) -> None:
+        for ev in events:
+            if ev.put:
+                self._take(ev.key, ev.value)
+
+    def _take(self, key: bytes, value: bytes) -> None:
+        # Every value is judged by its age: a live put is a few milliseconds old, while a
+        # snapshot's slots and a ring rewritten after its router's new lease hold old ones.
+        try:
+            router = self.layout.parse_prediction(key)
+        except ValueError:
+            self.refused["bad_key"] += 1
+            return
+        if router == self.router_id:
+            return
+        try:
+            t, items = decode(value)
+        except MalformedPrediction as exc:
+            if not self.refused[exc.reason]:
+                logger.warning("shared predictions: %s from router %s refused: %s", exc.reason,
+                               router, exc)
+            self.refused[exc.reason] += 1
+            return
+        if time.time() - t > self.max_age:
+            self.stats.stale += len(items)
+            return
+        for instance, model, hashes in items:
+            self.on_peer(instance, model, hashes)
+        self.stats.received += len(items)
+
+    def share_stats(self) -> dict[str, Any]:
+        st = self.stats
+        return {"state": "synced" if self.connected else "degraded",
+                "flushes": st.flushes, "shared": st.shared, "bytes": st.bytes,
+                "received": st.received, "stale": st.stale, "refused": dict(self.refused)}
