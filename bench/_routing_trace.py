@@ -11,6 +11,10 @@ Two sources:
   turns (user text and an assistant reply) and the new user text. A bounded set of conversations
   is active at once and the next turn comes from a random active one, so turns of different
   conversations interleave (reuse distance > 1) the way chat traffic does.
+- :func:`rounds_trace`: conversations taking their turns in rounds, no prefix shared between
+  them: the reuse distance is the whole working set (the host-tier scenario).
+- :func:`hot_prefix_trace`: a burst of prompts sharing one long prefix (the load-imbalance
+  scenario).
 - :func:`mooncake_trace`: Mooncake JSONL (``timestamp``, ``input_length``, ``output_length``,
   ``hash_ids``; one hash id per 512 tokens). Each hash id maps deterministically to
   ``block_chars`` characters, so requests that share leading hash ids share a text prefix; the
@@ -115,6 +119,42 @@ def synthetic_trace(seed: int = 0, groups: int = 4, conversations: int = 18, tur
         left[c] -= 1
         if left[c] == 0 or len(history[c]) + 400 > MAX_POSITIONS - 64:
             live.remove(c)
+    return reqs
+
+
+def hot_prefix_trace(seed: int = 0, requests: int = 256, prefix_chars: int = 511,
+                     suffix_chars: int = 24, max_new_tokens: int = 4) -> list[Req]:
+    """A burst of ``requests`` prompts sharing one long prefix (32 blocks by default), each with
+    a short suffix of its own: sent at once, they test whether a router spreads a hot prefix
+    once queueing at its holder costs more than recomputing it elsewhere."""
+    rng = random.Random(seed)
+    prefix = "<|system|>\nHot prefix: " + _words(rng, prefix_chars)
+    prefix = prefix[:prefix_chars]
+    return [Req(i, f"{prefix}\nq{i}: " + _words(rng, suffix_chars), max_new_tokens)
+            for i in range(requests)]
+
+def rounds_trace(seed: int = 0, conversations: int = 36, turns: int = 4, opener_chars: int = 300,
+                 user_chars: tuple[int, int] = (90, 160), reply_chars: int = 60,
+                 max_new_tokens: int = 6) -> list[Req]:
+    """Conversations that take their turns in rounds: every one takes turn *t* (in a shuffled
+    order) before any takes turn *t+1*, and none shares a prefix with another. A
+    conversation's reuse distance is then the whole working set: sized past the device pools
+    but within device + host, its blocks are all evicted to the host tier between two of its
+    turns, and only a router that credits host blocks finds it again."""
+    rng = random.Random(seed)
+    history = {c: f"<|system|>\nConversation {c} of the rounds trace: " + _words(rng, opener_chars)
+               + "\n" for c in range(conversations)}
+    reqs: list[Req] = []
+    for _ in range(turns):
+        order = list(range(conversations))
+        rng.shuffle(order)
+        for c in order:
+            user = f"<|user|>\nconv {c}: " + _words(rng, rng.randint(*user_chars)) + "\n"
+            prompt = history[c] + user + "<|assistant|>\n"
+            if len(prompt) > MAX_POSITIONS - 64:
+                continue
+            reqs.append(Req(len(reqs), prompt, max_new_tokens, session=f"conv-{c}"))
+            history[c] = prompt + _words(rng, reply_chars) + "\n"
     return reqs
 
 

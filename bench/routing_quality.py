@@ -11,11 +11,19 @@ does not fit one instance but does fit their union), one decode, and the router:
 
 - ``kv_aware``, ``round_robin``, ``power_of_two``: ``kvatlas router serve`` discovering the
   workers from etcd (``--model tiny`` so it follows the prefills' block index);
+- ``kv_aware:gpu_only`` and ``kv_aware:no_share``: kv_aware crediting no host or disk block,
+  and kv_aware keeping its predictions to itself (``VARIANTS``);
 - ``sglang:cache_aware``: sglang-router (PyPI ``sglang-router``) in PD mode in front of the same
   kind of workers, given them as static ``--prefill URL BOOTSTRAP_PORT`` / ``--decode URL`` with
   ``--policy cache_aware``. It runs at ``--log-level debug`` so that the bench can count how many
   of its selections fell back to a random worker ("No tree found for model"): sglang-router 0.3.2
   does that for every PD request here, and the table says so rather than hiding it.
+
+Traces: ``--shape chat`` (default), ``rounds`` (the host-tier scenario: every conversation
+takes turn t before any takes turn t+1, with ``--host-pages``) and ``hot`` (a burst of 256
+requests sharing a 32-block prefix, all at once: the load-imbalance scenario), or ``--trace``
+(Mooncake JSONL). ``--router-counts 1,2,4`` runs each kvatlas router that many times side by
+side, the requests sprayed over them, and reports what sharing predictions cost in etcd puts.
 
 The trace (``bench/_routing_trace.py``) is replayed in order through the router's ``/generate``
 with ``text`` prompts (every router sees the same body), greedy, a few output tokens, streamed,
@@ -60,13 +68,20 @@ sys.path.insert(0, str(ROOT))
 
 import _routing_trace as rt  # noqa: E402
 from _results import write_result
+from _routing_report import print_table  # noqa: E402
 
 from kvatlas.etcd_proc import EtcdCluster, free_port  # noqa: E402
 
-ROUTERS = ("kv_aware", "kv_aware:gpu_only", "round_robin", "power_of_two", "sglang:cache_aware")
-GPU_ONLY = ("--host-hit-weight", "0", "--disk-hit-weight", "0")
-"""``kv_aware:gpu_only``: kv_aware that credits no host or disk block, as a router that forgets a
-block when its GPU copy goes (the baseline of tier-aware scoring)."""
+ROUTERS = ("kv_aware", "kv_aware:gpu_only", "kv_aware:no_share", "round_robin", "power_of_two",
+           "sglang:cache_aware")
+VARIANTS = {
+    "kv_aware:gpu_only": ("--host-hit-weight", "0", "--disk-hit-weight", "0"),
+    "kv_aware:no_share": ("--no-share-predictions",),
+}
+"""kvatlas router flags of a variant: ``gpu_only`` credits no host or disk block, as a router
+that forgets a block when its GPU copy goes (the baseline of tier-aware scoring); ``no_share``
+keeps each router's predictions to itself (the baseline of shared predictions, with
+``--router-counts``)."""
 MODEL = "tiny"
 
 
@@ -207,7 +222,7 @@ class Cluster:
                     "--port", str(port), "--etcd", self.etcd, "--etcd-prefix", self.prefix,
                     "--model", MODEL, "--policy", router.split(":")[0],
                     "--decode-policy", "power_of_two", "--health-check-interval-secs", "1",
-                    *(GPU_ONLY if router == "kv_aware:gpu_only" else ()),
+                    *VARIANTS.get(router, ()),
                     *getattr(self.args, "kvatlas_arg", [])]
         proc = Proc(f"{self.prefix.strip('/')}-router{k}", args, self.logdir)
         self.router_proc = proc
@@ -250,19 +265,27 @@ class Cluster:
 # --- per-router run ----------------------------------------------------------------------------
 
 def router_diag(url: str) -> dict[str, float]:
-    """kvatlas router's own view: predicted prefix-hit tokens and index size."""
+    """kvatlas router's own view: predicted prefix-hit tokens, index size, shared predictions."""
     code, text = http_get(url + "/metrics", timeout=5)
     if code != 200:
         return {}
-    out = {}
-    for line in text.splitlines():
-        for key in ("prefix_hit_tokens", "index_blocks", "predicted_blocks", "index_ready"):
-            if line.startswith("kvatlas_router_" + key) and "_created" not in line:
-                try:
-                    out[key] = out.get(key, 0.0) + float(line.split()[-1])
-                except ValueError:
-                    pass
+    out = {key: metric(text, f"kvatlas_router_{name}")
+           for key, name in (("prefix_hit_tokens", "prefix_hit_tokens_total"),
+                             ("index_blocks", "index_blocks"),
+                             ("predicted_blocks", "predicted_blocks"),
+                             ("index_ready", "index_ready"),
+                             ("prediction_puts", "shared_prediction_puts_total"),
+                             ("prediction_bytes", "shared_prediction_bytes_total"))}
+    for direction in ("sent", "received", "stale"):
+        out[f"shared_{direction}"] = metric(
+            text, f'kvatlas_router_shared_predictions_total{{direction="{direction}"}}')
     return out
+
+
+def etcd_puts(endpoint: str) -> float:
+    """Puts etcd has applied since it started (its own /metrics)."""
+    code, text = http_get(f"http://{endpoint}/metrics", timeout=5)
+    return metric(text, "etcd_mvcc_put_total") if code == 200 else float("nan")
 
 
 def sglang_diag(log: Path) -> dict[str, int]:
@@ -293,10 +316,15 @@ def run_router(args: argparse.Namespace, etcd: str, router: str, i: int, logdir:
             print(f"  {router}: a port was taken meanwhile; starting again", flush=True)
     try:
         startup = time.monotonic() - t0
+        puts0 = etcd_puts(etcd.split(",")[0])
         res = asyncio.run(rt.replay(cluster.router_urls, reqs, args.concurrency,
                                     args.request_timeout))
         time.sleep(0.3)
+        res["etcd_puts"] = etcd_puts(etcd.split(",")[0]) - puts0
         res.update(cluster.prefill_metrics())
+        served = [row["requests"] for row in res["per_instance"]]
+        # How evenly the requests went: max over mean of each prefill's (1.0: perfectly even).
+        res["spread"] = (max(served) / (sum(served) / len(served))) if sum(served) else None
         if router.startswith("sglang:") and cluster.router_proc is not None:
             res["router_view"] = sglang_diag(cluster.router_proc.log_path)
         else:
@@ -310,61 +338,15 @@ def run_router(args: argparse.Namespace, etcd: str, router: str, i: int, logdir:
         cluster.stop()
 
 
-# --- report -------------------------------------------------------------------------------------
-
-def print_table(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    runs = result["runs"]
-    rr = runs.get("round_robin", {}).get("cached_tokens")
-    ca = runs.get("sglang:cache_aware", {}).get("cached_tokens")
-    off = result["offline"]
-    t = Table(title=f"routing quality: {result['trace']['requests']} requests, "
-                    f"{result['trace']['prompt_tokens']} prompt tokens, "
-                    f"{result['setup']['prefills']} prefills x {result['setup']['prefill_pages']} "
-                    f"pages + {result['setup'].get('host_pages', 0)} host (union "
-                    f"{off['union_blocks']} of {result['trace']['distinct_blocks']} "
-                    f"distinct blocks)")
-    for col in ("router", "cached tok", "hit %", "computed tok", "vs round_robin",
-                "vs cache_aware", "vs oracle", "TTFT p50 ms", "TTFT p90 ms", "errors", "wall s"):
-        t.add_column(col)
-    total = result["trace"]["prompt_tokens"]
-    for name, r in runs.items():
-        if "error" in r:
-            t.add_row(name, "-", "-", "-", "-", "-", "-", "-", "-", r["error"][:40], "-")
-            continue
-        c = r["cached_tokens"]
-        t.add_row(name, f"{c:.0f}", f"{100 * c / total:.1f}", f"{r['prefill_computed_tokens']:.0f}",
-                  f"{c / rr:.2f}x" if rr else "-", f"{c / ca:.2f}x" if ca else "-",
-                  f"{c / off['oracle_belady']:.2f}" if off["oracle_belady"] else "-",
-                  f"{r['ttft_p50_ms']}", f"{r['ttft_p90_ms']}", str(r["errors"]),
-                  f"{r['wall_s']}")
-    for name, key in (("oracle (Belady bound)", "oracle_belady"),
-                      ("infinite-cache bound", "infinite_cache"),
-                      ("sim: round robin LRU", "sim_round_robin"),
-                      ("sim: prefix affinity LRU", "sim_affinity")):
-        v = off[key]
-        t.add_row(name, f"{v}", f"{100 * v / total:.1f}", f"{total - v}",
-                  f"{v / rr:.2f}x" if rr else "-", f"{v / ca:.2f}x" if ca else "-",
-                  "-", "-", "-", "-", "-")
-    Console(width=200).print(t)
-    print("TTFT = request sent to the router -> first streamed token event through it.")
-    for name, r in runs.items():
-        view = r.get("router_view") or {}
-        if "random_fallbacks" in view:
-            print(f"{name}: {view['random_fallbacks']} random fallbacks ('No tree found for "
-                  f"model') in {view['pd_selections']} PD pair selections (its prefill and "
-                  f"decode policy log one each): cache_aware placed requests at random")
-        elif "prefix_hit_tokens" in view and name == "kv_aware":
-            print(f"{name}: the router expected {view['prefix_hit_tokens']:.0f} prefix-hit tokens "
-                  f"(index + its predictions); the prefills served {r['cached_tokens']:.0f}")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller trace (< 2 min)")
     p.add_argument("--trace", default=None, help="Mooncake-format JSONL trace instead")
+    p.add_argument("--shape", choices=("chat", "rounds", "hot"), default="chat",
+                   help="synthetic trace: chat (random interleaving, shared system prompts), "
+                        "rounds (every conversation's turn t before any turn t+1: the host-tier "
+                        "scenario, with --host-pages) or hot (256 requests sharing a 32-block "
+                        "prefix, all sent at once: the load-imbalance scenario)")
     p.add_argument("--limit", type=int, default=None, help="first N requests of --trace")
     p.add_argument("--mooncake-block-chars", type=int, default=64,
                    help="characters per Mooncake hash id (its 512 tokens, scaled down)")
@@ -380,7 +362,8 @@ def main() -> int:
                    help="each prefill's host tier in blocks (evicted blocks move there and back "
                         "on a hit; the oracle then has device + host capacity)")
     p.add_argument("--decode-pages", type=int, default=4096)
-    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="requests in flight (default 6; the hot shape: all of them)")
     p.add_argument("--max-new-tokens", type=int, default=6)
     p.add_argument("--routers", default=",".join(ROUTERS),
                    help=f"comma-separated subset of {','.join(ROUTERS)}")
@@ -397,6 +380,16 @@ def main() -> int:
         reqs = rt.mooncake_trace(args.trace, args.mooncake_block_chars,
                                  max_new_tokens=args.max_new_tokens, limit=args.limit)
         trace_desc: dict[str, Any] = {"source": args.trace}
+    elif args.shape == "hot":
+        kw = dict(requests=64 if args.quick else 256)
+        reqs = rt.hot_prefix_trace(seed=args.seed, max_new_tokens=args.max_new_tokens, **kw)
+        trace_desc = {"source": "synthetic hot prefix", "seed": args.seed, **kw}
+        if args.concurrency is None:
+            args.concurrency = len(reqs)  # the whole burst at once
+    elif args.shape == "rounds":
+        kw = dict(conversations=18 if args.quick else 36, turns=4, opener_chars=300)
+        reqs = rt.rounds_trace(seed=args.seed, max_new_tokens=args.max_new_tokens, **kw)
+        trace_desc = {"source": "synthetic rounds", "seed": args.seed, **kw}
     elif args.quick:
         kw = dict(groups=6, system_chars=800, conversations=18, turns=4, active=8,
                   reply_chars=60)
@@ -407,6 +400,8 @@ def main() -> int:
                   reply_chars=60)
         reqs = rt.synthetic_trace(seed=args.seed, max_new_tokens=args.max_new_tokens, **kw)
         trace_desc = {"source": "synthetic", "seed": args.seed, **kw}
+    if args.concurrency is None:
+        args.concurrency = 6
     if args.prefill_pages is None:
         args.prefill_pages = 200 if args.quick else 300
     routers = [r for r in args.routers.split(",") if r]

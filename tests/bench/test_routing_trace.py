@@ -125,3 +125,28 @@ def test_the_committed_mooncake_trace_loads_and_shares_prefixes() -> None:
     total_blocks = sum(len(r.text) for r in reqs) // rt.BLOCK
     assert rt.distinct_blocks(reqs) < 0.8 * total_blocks  # prefixes are shared
     assert rt.infinite_bound(reqs) > 0
+
+
+def test_rounds_trace_takes_every_turn_t_before_any_turn_t_plus_one() -> None:
+    reqs = rt.rounds_trace(seed=1, conversations=6, turns=3)
+    assert reqs == rt.rounds_trace(seed=1, conversations=6, turns=3)
+    assert len(reqs) == 18
+    seen: dict[str, int] = {}
+    for k, r in enumerate(reqs):
+        assert k // 6 == seen.get(r.session, -1) + 1  # round k // 6 is this session's next turn
+        seen[r.session] = k // 6
+        assert len(rt.prompt_tokens(r.text)) + r.max_new_tokens <= rt.MAX_POSITIONS
+    # No prefix is shared between conversations beyond the first block's template words.
+    firsts = [rt.request_blocks([r], rt.BLOCK)[0] for r in reqs[:6]]
+    for i in range(6):
+        for j in range(i + 1, 6):
+            assert firsts[i][1:2] != firsts[j][1:2]
+
+
+def test_hot_prefix_trace_shares_exactly_its_prefix() -> None:
+    reqs = rt.hot_prefix_trace(seed=2, requests=16)
+    blocks = rt.request_blocks(reqs, rt.BLOCK)
+    assert all(b[:32] == blocks[0][:32] for b in blocks)
+    assert len({b[32] for b in blocks}) == 16  # the 33rd block is each request's own
+    # Sticky routing (one LRU holding everything) caches the prefix of all but the first.
+    assert rt.simulate(reqs, 1, 10_000, "greedy") == 15 * 32 * rt.BLOCK
