@@ -39,6 +39,7 @@ from index.follow import PrefixFollower
 from index.keys import KeyLayout
 from index.lease import LeaseSession, cancel_and_wait
 from index.owned import LeasedKeys
+from router.errors import RouterError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ PeerPrediction = tuple[str, "str | None", tuple[int, ...]]
 """(instance, model, prompt block hashes) another router routed."""
 
 
-class MalformedPrediction(ValueError):
+class MalformedPrediction(RouterError, ValueError):
     """A predictions value this version cannot read; counted by reason and skipped."""
 
     def __init__(self, reason: str, detail: str) -> None:
