@@ -1,8 +1,10 @@
-"""The etcd key layout of docs/architecture.md. Values are JSON so that ``etcdctl get --prefix`` is readable.
+"""The etcd key layout of docs/architecture.md. Values are JSON so that ``etcdctl get --prefix`` is
+readable, except the block segments' and the routers' predictions (binary: ``kvatlas index dump``
+prints a segment readably).
 
 ``/{prefix}/v1/instances/{instance_id}``
 ``/{prefix}/v1/ranks/{instance_id}/{dp}/{cp}/{tp}/{pp}``
-``/{prefix}/v1/blocks/{model}/{instance_id}/{hash:016x}``
+``/{prefix}/v2/blocks/{model}/{instance_id}/{segment:016x}`` (a chain segment of blocks)
 ``/{prefix}/v1/predictions/{router_id}/{slot:03d}`` (routers' recent routing predictions)
 
 Model names may contain ``/`` (``org/name``), so they are percent-encoded in the path.
@@ -87,24 +89,33 @@ class KeyLayout:
         iid, dp, cp, tp, pp = parts
         return iid, (int(dp), int(cp), int(tp), int(pp))
 
-    # blocks
+    # blocks: chain segments (index/segments.py), at key version v2
+    @property
+    def blocks_root(self) -> str:
+        return f"{self.prefix}/v2/blocks/"
+
     def blocks_prefix(self, model: str | None = None, instance_id: str | None = None) -> bytes:
         if model is None:
-            return f"{self.root}blocks/".encode()
+            return self.blocks_root.encode()
         tail = f"{instance_id}/" if instance_id is not None else ""
-        return f"{self.root}blocks/{quote(model, safe='')}/{tail}".encode()
+        return f"{self.blocks_root}{quote(model, safe='')}/{tail}".encode()
 
-    def block(self, model: str, instance_id: str, block_hash: int) -> bytes:
-        return f"{self.root}blocks/{quote(model, safe='')}/{instance_id}/{block_hash:016x}".encode()
+    def segment(self, model: str, instance_id: str, segment: int) -> bytes:
+        return f"{self.blocks_root}{quote(model, safe='')}/{instance_id}/{segment:016x}".encode()
 
-    def parse_block(self, key: bytes) -> tuple[str, str, int]:
-        """(model, instance_id, hash) of a block key."""
+    def parse_segment(self, key: bytes) -> tuple[str, str, int]:
+        """(model, instance_id, segment id) of a segment key."""
         parts = key.decode()[len(self.blocks_prefix()):].split("/")
         tail = parts[-1]
         # Only the canonical form the writer produces: int(x, 16) alone takes "-0...1" and "0x".
         if len(parts) != 3 or not _HASH_RE.fullmatch(tail):
-            raise ValueError(f"not a block key: {key!r}")
+            raise ValueError(f"not a block segment key: {key!r}")
         return unquote(parts[0]), parts[1], int(tail, 16)
+
+    def legacy_blocks_prefix(self) -> bytes:
+        """Where kvatlas before the segment layout kept one key per block (read by nobody now;
+        a mirror that finds keys there says so)."""
+        return f"{self.root}blocks/".encode()
 
     # predictions: each router's recent routing decisions, a ring of slots under its lease
     def predictions_prefix(self, router_id: str | None = None) -> bytes:

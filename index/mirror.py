@@ -1,25 +1,33 @@
 """The read side of the etcd block index: an in-memory mirror kept by get-then-watch.
 
-A ``BlockMirror`` reads every block key of one model (or of all models) at one revision, then
-watches from that revision + 1 and applies each put/delete to a ``BlockTable`` (the same structure
-the memory backend uses, so lookups cost the same). The loop itself, with its resumes and reloads
-and its liveness, is ``index.follow.PrefixFollower``. Instance death needs nothing special: etcd
-deletes the keys with the lease and the deletes arrive here as ordinary watch events.
+A ``BlockMirror`` reads every block segment of one model (or of all models) at one revision, then
+watches from that revision + 1 and applies each segment's new content to a ``BlockTable`` (the
+same structure the memory backend uses, so lookups cost the same): the blocks a put no longer
+holds are removed, the new ones (or those on another medium) added. It keeps each segment's raw
+value (about 9 bytes a block) to tell what changed; the writer never moves a held block between
+segments (``index.segments``), so that is all the bookkeeping it takes. The loop itself, with its
+resumes and reloads and its liveness, is ``index.follow.PrefixFollower``. Instance death needs
+nothing special: etcd deletes the keys with the lease and the deletes arrive here as ordinary
+watch events.
 
-Keys under the blocks prefix that are not exactly what a writer produces (not UTF-8, a hash that
-is not 16 lowercase hex digits, an invalid instance id, extra path segments) are counted in
-``bad_keys`` and skipped: the prefix is shared, and another tool's key must never stop the mirror.
+Keys under the blocks prefix that are not exactly what a writer produces (not UTF-8, a segment id
+that is not 16 lowercase hex digits, an invalid instance id, extra path segments) are counted in
+``bad_keys`` and skipped, values that are not a segment in ``bad_values`` (a put of one empties
+that key's segment): the prefix is shared, and another tool's key must never stop the mirror.
 Anything unexpected while applying a batch is counted in ``errors`` and answered with a reload
 (with backoff), never by letting the task die. Caches (interned names, per-model tables) are
 pruned when an instance or a model holds no blocks any more.
 
-Lag is measured two ways: seconds between a writer's write time (the ``"t"`` field of each value)
+Lag is measured two ways: seconds between a writer's write time (the ``"t"`` of each segment)
 and the moment the put is applied here, and revisions between etcd's head (learned from watch
 progress notifications) and the last applied revision.
+
+Block keys of the layout before segments (``/v1/blocks/``, one key per block) are not read: a
+mirror that finds any says so once in its log and in ``stats()["legacy_blocks"]``, since they
+mean a writer of an older kvatlas whose blocks no router sees.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import deque
@@ -31,7 +39,8 @@ from index.etcd import EtcdClient, KeyValue, WatchEvent
 from index.follow import PrefixFollower
 from index.keys import KeyLayout, validate_instance_id, validate_model
 from index.reader import IndexReader, IndexStatus, InstanceDetail
-from index.table import GPU, BlockTable
+from index.segments import MalformedSegment, Segment, decode
+from index.table import BlockTable
 from index.tiers import TierMatch
 from index.writer import parse_hash_tail
 
@@ -81,11 +90,16 @@ class BlockMirror(PrefixFollower, IndexReader):
         """Per instance, when a change of its blocks was last applied (``InstanceDetail``)."""
         self._models: dict[bytes, str] = {}
         self._names: dict[bytes, str] = {}
-        self._media: dict[bytes, str] = {}
+        self._values: dict[bytes, bytes] = {}
+        """The raw value of every segment applied, by key: what the next put changes."""
         self._lags: deque[float] = deque(maxlen=self.config.lag_samples)
         self.puts = 0
+        """Segment puts applied."""
         self.deletes = 0
         self.bad_keys = 0
+        self.bad_values = 0
+        self.legacy_blocks = 0
+        """Keys found in the layout before segments (read by nobody): an older writer runs."""
         self._emptied = False
 
     # --- reads ------------------------------------------------------------------------------
@@ -178,23 +192,42 @@ class BlockMirror(PrefixFollower, IndexReader):
         return {
             "model": self.model, **self.follow_stats(),
             "blocks": {m: len(t) for m, t in self.tables.items()},
-            "puts": self.puts, "deletes": self.deletes, "bad_keys": self.bad_keys,
+            "segments": len(self._values), "puts": self.puts, "deletes": self.deletes,
+            "bad_keys": self.bad_keys, "bad_values": self.bad_values,
+            "legacy_blocks": self.legacy_blocks,
             "cached_names": len(self._names) + len(self._models),
             "lag_s": self.lag_stats(),
         }
 
     # --- the follower's hooks ---------------------------------------------------------------
 
+    async def reload(self) -> None:
+        await super().reload()
+        # Once per snapshot: is an older writer still writing the layout before segments?
+        _, old = await self.client.get_prefix(self.layout.legacy_blocks_prefix(), keys_only=True)
+        if old and not self.legacy_blocks:
+            logger.warning("%s: %d block keys under %s, the layout of kvatlas before block "
+                           "segments, which nothing reads any more: upgrade the engines, index "
+                           "agents and sidecars writing them", self.name, len(old),
+                           self.layout.legacy_blocks_prefix().decode())
+        self.legacy_blocks = len(old)
+
     def load(self, revision: int, kvs: list[KeyValue]) -> None:
         # Interned names start over: a reload is when caches of the vanished can go.
-        self._models, self._names, self._media = {}, {}, {}
+        self._models, self._names = {}, {}
+        values: dict[bytes, bytes] = {}
         groups: dict[tuple[str, str, str], list[int]] = {}
         for kv in kvs:
             parsed = self._parse(kv.key)
             if parsed is None:
                 continue
-            model, instance, h = parsed
-            groups.setdefault((model, instance, self._medium(kv.value)), []).append(h)
+            seg = self._decode(kv.value)
+            if seg is None:
+                continue
+            model, instance = parsed
+            values[kv.key] = kv.value
+            for medium, hashes in seg.by_medium().items():
+                groups.setdefault((model, instance, medium), []).extend(hashes)
         tables: dict[str, BlockTable] = {}
         for (model, instance, medium), hashes in groups.items():
             table = tables.get(model)
@@ -206,14 +239,67 @@ class BlockMirror(PrefixFollower, IndexReader):
         now = time.time()
         changed = {instance: now for t in tables.values() for instance in t.instances()}
         # Swap at once: lookups see either the old or the new state, never a half-built one.
-        self.tables, self._changed = tables, changed
+        self.tables, self._changed, self._values = tables, changed, values
 
     def apply(self, events: list[WatchEvent]) -> None:
-        self._apply(events)
+        applied_at = time.time()
+        stamps: list[float] = []
+        for ev in events:
+            parsed = self._parse(ev.key)
+            if parsed is None:
+                continue
+            model, instance = parsed
+            old_raw = self._values.pop(ev.key, None)
+            new = self._decode(ev.value) if ev.put else None
+            if new is not None:
+                self._values[ev.key] = ev.value
+                stamps.append(new.t)
+                self.puts += 1
+            else:
+                self.deletes += 1
+            old = decode(old_raw) if old_raw is not None else None
+            self._apply_segment(model, instance, old, new, applied_at)
+        if stamps:
+            now = time.time()
+            self._lags.extend(now - t for t in stamps)
         if self._emptied:
             self._prune()
 
     # --- applying watch events --------------------------------------------------------------
+
+    def _apply_segment(self, model: str, instance: str, old: Segment | None,
+                       new: Segment | None, applied_at: float) -> None:
+        """Make the table hold ``new`` where it held ``old`` (None: nothing)."""
+        was = dict(zip(old.hashes, old.media, strict=True)) if old is not None else {}
+        added: dict[str, list[int]] = {}
+        if new is not None:
+            for h, m in zip(new.hashes, new.media, strict=True):
+                if was.pop(h, None) != m:
+                    added.setdefault(m, []).append(h)
+        # What is left of ``was`` is no longer in the segment.
+        if was:
+            # A delete in a model never seen removes nothing: it must not create a table (an
+            # empty one would count as a model in ``models()`` until the next prune).
+            table = self.tables.get(model)
+            if table is not None:
+                table.apply_remove(instance, was)
+                if not table.count(instance):
+                    self._emptied = True
+        if added:
+            table = self._writable(model)
+            for medium, hashes in added.items():
+                table.apply_add(instance, hashes, medium)
+        if was or added:
+            self._changed[instance] = applied_at
+
+    def _decode(self, value: bytes) -> Segment | None:
+        try:
+            return decode(value)
+        except MalformedSegment as exc:
+            if not self.bad_values:
+                logger.warning("%s: a value that is not a block segment: %s", self.name, exc)
+            self.bad_values += 1
+            return None
 
     def _prune(self) -> None:
         """Forget caches of instances and models that hold no blocks any more."""
@@ -227,60 +313,10 @@ class BlockMirror(PrefixFollower, IndexReader):
         self._changed = {i: t for i, t in self._changed.items() if i in live}
         self._models = {raw: m for raw, m in self._models.items() if m in self.tables}
 
-    def _apply(self, events: list[WatchEvent]) -> None:
-        # Consecutive events of one kind for one instance are applied as one table call.
-        run_key: tuple[bool, str, str, str] | None = None
-        run: list[int] = []
-        stamps: list[float] = []
-        applied_at = time.time()
-        for ev in events:
-            parsed = self._parse(ev.key)
-            if parsed is None:
-                continue
-            model, instance, h = parsed
-            if ev.put:
-                medium = self._medium(ev.value)
-                t = write_time(ev.value)
-                if t is not None:
-                    stamps.append(t)
-            else:
-                medium = GPU
-            key = (ev.put, model, instance, medium)
-            if key != run_key:
-                self._flush_run(run_key, run, applied_at)
-                run_key, run = key, []
-            run.append(h)
-        self._flush_run(run_key, run, applied_at)
-        if stamps:
-            now = time.time()
-            self._lags.extend(now - t for t in stamps)
-
-    def _flush_run(self, key: tuple[bool, str, str, str] | None, hashes: list[int],
-                   applied_at: float) -> None:
-        if key is None or not hashes:
-            return
-        put, model, instance, medium = key
-        if put:
-            self.puts += len(hashes)
-            self._writable(model).apply_add(instance, hashes, medium)
-            self._changed[instance] = applied_at
-        else:
-            self.deletes += len(hashes)
-            # A delete in a model never seen removes nothing: it must not create a table (an
-            # empty one would count as a model in ``models()`` until the next prune).
-            table = self.tables.get(model)
-            if table is None:
-                return
-            table.apply_remove(instance, hashes)
-            self._changed[instance] = applied_at
-            if not table.count(instance):
-                self._emptied = True
-
-    def _parse(self, key: bytes) -> tuple[str, str, int] | None:
-        """(model, instance, hash) of a writer's block key; None (counted) for anything else."""
+    def _parse(self, key: bytes) -> tuple[str, str] | None:
+        """(model, instance) of a writer's segment key; None (counted) for anything else."""
         parts = key[self._root_len:].split(b"/")
-        h = parse_hash_tail(parts[2]) if len(parts) == 3 else None
-        if h is None:
+        if len(parts) != 3 or parse_hash_tail(parts[2]) is None:
             self.bad_keys += 1
             return None
         raw_model, raw_instance, _ = parts
@@ -298,7 +334,7 @@ class BlockMirror(PrefixFollower, IndexReader):
                 self.bad_keys += 1
                 return None
             self._names[raw_instance] = instance
-        return model, instance, h
+        return model, instance
 
     def _intern_model(self, raw: bytes) -> str | None:
         try:
@@ -310,38 +346,10 @@ class BlockMirror(PrefixFollower, IndexReader):
         self._models[raw] = model
         return model
 
-    def _medium(self, value: bytes) -> str:
-        # The writer formats values itself, so the medium sits at a known place; anything else
-        # (a value written by another tool) falls back to JSON.
-        if value.startswith(b'{"m":"'):
-            end = value.find(b'"', 6)
-            if end > 0:
-                raw = value[6:end]
-                medium = self._media.get(raw)
-                if medium is None:
-                    medium = raw.decode(errors="replace")
-                    if len(self._media) < _MAX_MEDIA:
-                        self._media[raw] = medium
-                return medium
-        try:
-            doc = json.loads(value)
-            medium = doc.get("m", GPU) if isinstance(doc, dict) else GPU
-            return medium if isinstance(medium, str) else GPU
-        except ValueError:
-            return GPU
-
-
-_MAX_MEDIA = 256
-"""Interned medium names kept; media come from values, which another tool could vary freely."""
-
 
 def write_time(value: bytes) -> float | None:
-    """The writer's ``"t"`` (unix time of the write) in a block value, found without a JSON parse
-    because it runs once per watched event."""
-    i = value.rfind(b'"t":')
-    if i < 0:
-        return None
+    """When a segment value was written (its header's ``t``); None for a value that is not one."""
     try:
-        return float(value[i + 4:].rstrip(b"} "))
-    except ValueError:
+        return decode(value).t
+    except MalformedSegment:
         return None

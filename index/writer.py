@@ -1,21 +1,26 @@
 """The etcd block writer: one per instance, mirroring the instance's block set into etcd.
 
-The in-memory block set (hash -> medium, parent) is the authority; etcd holds a copy of it under
-``/{prefix}/v1/blocks/{model}/{instance_id}/{hash:016x}``, written under the instance lease so that
-the keys vanish when the instance dies. etcd's write rate is the price of a shared index, so:
+The in-memory block set (hash -> medium, parent) is the authority; etcd holds a copy of it as
+chain segments (``index.segments``), one key per segment under
+``/{prefix}/v2/blocks/{model}/{instance_id}/``, written under the instance lease so that the keys
+vanish when the instance dies. etcd's cost is per key written, so:
 
-- Changes are coalesced per hash in a flush window (``flush_interval`` or ``flush_ops``). Each
-  pending entry remembers what etcd holds for that hash; a change that brings a hash back to that
-  state (a block added and removed in one window) drops the entry and writes nothing.
-- Pending changes go out as transactions of at most ``txn_ops`` ops (etcd's ``--max-txn-ops``),
-  ``max_inflight`` of them at once. A hash that is in an in-flight transaction is never put in a
-  second one until the first lands, so two transactions can never reorder writes to one key.
-- ``clear()`` is one range delete of the instance's prefix, not one delete per block.
-- Memory is bounded: pending is keyed by hash, so it cannot outgrow the set plus the removals of
-  one window; past ``max_pending`` the writer drops it and switches to "resync needed".
-- After any etcd failure, a new lease, or an overflow it does a full resync: it reads its own
-  prefix, deletes keys that are not in the set and puts the blocks that are missing, stale or under
-  another lease. A resync after a short outage therefore writes only the difference.
+- Blocks are grouped: a stored chain goes into one segment (up to ``MAX_SEGMENT_BLOCKS``), and a
+  block whose parent ends a segment joins it (a decode's one-block stores included). A change
+  marks its segment dirty; a flush window (``flush_interval`` or ``flush_ops`` dirty segments)
+  writes each dirty segment once, whatever number of its blocks changed.
+- A held block stays in its segment. One removed goes back to the same segment if it returns
+  before its removal is in etcd, so that no reader can see a block enter one segment before it
+  left another (a reader applies each segment's content in revision order and keeps no
+  per-block owner).
+- Dirty segments go out as transactions of at most ``txn_ops`` ops (etcd's ``--max-txn-ops``),
+  ``max_inflight`` of them at once. A segment in an in-flight transaction is never put in a
+  second one until the first lands, so two transactions never reorder writes to one key.
+- ``clear()`` is one range delete of the instance's prefix.
+- After any etcd failure, a new lease, or more than ``max_pending`` dirty segments it does a
+  full resync: it reads its own prefix, deletes keys that are not a segment any more and puts the
+  segments that are missing, differ or sit under another lease, so a resync after a short outage
+  writes only the difference.
 """
 from __future__ import annotations
 
@@ -30,12 +35,13 @@ from index.errors import EtcdError, LeaseExpired
 from index.etcd import Delete, EtcdClient, Put
 from index.keys import KeyLayout, validate_instance_id, validate_model
 from index.lease import Backoff, LeaseSession, cancel_and_wait
+from index.segment_set import Entry, SegmentSet
 
 logger = logging.getLogger(__name__)
 
 _MAX_HASH = 2**64 - 1
 
-Entry = tuple[str, "int | None"]  # (medium, parent hash or None)
+__all__ = ["BlockWriter", "BlockWriterConfig", "Entry", "parse_hash_tail"]
 
 
 @dataclass
@@ -45,13 +51,13 @@ class BlockWriterConfig:
     flush_interval: float = 0.010
     """Seconds a first pending change waits for more before a flush (the coalescing window)."""
     flush_ops: int = 1000
-    """A flush starts at once when this many hashes are pending, whatever the window."""
+    """A flush starts at once when this many segments are dirty, whatever the window."""
     txn_ops: int = 128
     """Ops per etcd transaction; must not exceed etcd's ``--max-txn-ops`` (default 128)."""
     max_inflight: int = 6
     """Transactions in flight at once; more hides latency, too many only queues inside etcd."""
     max_pending: int = 250_000
-    """Pending hashes past which the writer stops tracking changes and resyncs the whole set."""
+    """Dirty segments past which the writer stops tracking changes and resyncs the whole set."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.flush_interval <= 10:
@@ -69,7 +75,7 @@ class BlockWriterConfig:
 
 
 class BlockWriter:
-    """Keeps ``/blocks/{model}/{instance_id}/`` in etcd equal to this instance's block set.
+    """Keeps ``/v2/blocks/{model}/{instance_id}/`` in etcd equal to this instance's block set.
 
     ``add``/``remove``/``clear`` change the set at once (they never wait for etcd); ``run()`` is the
     background task that writes. ``session`` may be shared with the instance's other leased keys.
@@ -82,12 +88,15 @@ class BlockWriter:
         self.model = validate_model(model)
         self.instance_id = validate_instance_id(instance_id)
         self.config = config or BlockWriterConfig()
+        self.layout = layout
         self.prefix = layout.blocks_prefix(model, instance_id)
-        self._blocks: dict[int, Entry] = {}
-        # hash -> what etcd holds for it once in-flight transactions land (None: absent).
-        self._pending: dict[int, Entry | None] = {}
+        self._set = SegmentSet()
+        self._set.track = False  # until the first resync, which writes everything
+        # Dirty segments are ``self._set.dirty``; these are in an in-flight transaction.
         self._pending_since: float | None = None
         self._inflight_keys: set[int] = set()
+        self._carried: dict[bytes, int] = {}
+        """Blocks in each segment value about to be written (for ``blocks_written``)."""
         self._inflight: dict[asyncio.Task[None], float] = {}
         self._slots = asyncio.Semaphore(self.config.max_inflight)
         self._resync_needed = True
@@ -105,8 +114,10 @@ class BlockWriter:
         self.last_error: str | None = None
         self.last_revision = 0
         self.changes = 0
-        self.coalesced = 0
         self.blocks_written = 0
+        """Blocks carried by the segment values written (a segment rewritten counts all of its
+        blocks)."""
+        self.segments_written = 0
         self.deletes_written = 0
         self.txns = 0
         self.resyncs = 0
@@ -123,53 +134,17 @@ class BlockWriter:
         for h in hashes:
             if not 0 <= h <= _MAX_HASH:
                 raise ValueError(f"block hash {h!r} is not an unsigned 64-bit integer")
-        blocks, pending, track = self._blocks, self._pending, not self._resync_needed
-        prev = parent
-        changed = 0
-        for h in hashes:
-            new = (medium, prev)
-            old = blocks.get(h)
-            prev = h
-            if old == new:
-                continue
-            blocks[h] = new
-            changed += 1
-            if track:
-                if h in pending:
-                    self.coalesced += 1
-                    if pending[h] == new:
-                        del pending[h]
-                else:
-                    pending[h] = old
-        self._changed(changed)
+        self._changed(self._set.add(parent, hashes, medium))
 
     def remove(self, hashes: Sequence[int]) -> None:
         """``hashes`` are no longer held; unknown hashes are ignored."""
-        blocks, pending, track = self._blocks, self._pending, not self._resync_needed
-        changed = 0
-        for h in hashes:
-            old = blocks.pop(h, None)
-            if old is None:
-                continue
-            changed += 1
-            if track:
-                if h in pending:
-                    self.coalesced += 1
-                    if pending[h] is None:
-                        del pending[h]
-                else:
-                    pending[h] = old
-        self._changed(changed)
+        self._changed(self._set.remove(hashes))
 
     def clear(self) -> None:
         """Forget every block: one range delete of this instance's prefix."""
-        n = len(self._blocks)
-        if n == 0 and not self._pending:
+        if not self._set.blocks and not self._set.dirty:
             return
-        self._blocks.clear()
-        # After the range delete etcd holds nothing, so nothing that was pending still matters.
-        self.coalesced += len(self._pending)
-        self._pending.clear()
+        n = self._set.clear()
         if not self._resync_needed:
             self._clear_pending = True
         self._changed(max(n, 1))
@@ -179,38 +154,46 @@ class BlockWriter:
             return
         self.changes += n
         self._idle.clear()
-        if self._pending and self._pending_since is None:
+        if self._set.dirty and self._pending_since is None:
             self._pending_since = time.monotonic()
-        if len(self._pending) > self.config.max_pending:
+        dirty = len(self._set.dirty)
+        if dirty > self.config.max_pending:
             self.overflows += 1
-            self._need_resync(f"{len(self._pending)} pending changes exceed max_pending "
+            self._need_resync(f"{dirty} dirty segments exceed max_pending "
                               f"{self.config.max_pending}")
-        if len(self._pending) >= self.config.flush_ops:
+        if dirty >= self.config.flush_ops:
             self._full.set()
         self._wake.set()
 
     def blocks(self) -> dict[int, Entry]:
         """A copy of the set: hash -> (medium, parent). O(set size): use ``entry`` for one."""
-        return dict(self._blocks)
+        return dict(self._set.blocks)
 
     def entry(self, h: int) -> Entry | None:
         """(medium, parent) of block ``h``, or None when it is not held. O(1)."""
-        return self._blocks.get(h)
+        return self._set.blocks.get(h)
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._set.blocks)
 
     def __contains__(self, h: int) -> bool:
-        return h in self._blocks
+        return h in self._set.blocks
+
+    @property
+    def segments(self) -> int:
+        """Segments holding at least one block."""
+        return self._set.segments
 
     # --- status -----------------------------------------------------------------------------
 
     @property
     def pending(self) -> int:
-        """Changes not yet acknowledged by etcd (the whole set while a resync is needed)."""
+        """Segments whose changes etcd has not acknowledged (every segment while a resync is
+        needed)."""
         if self._resync_needed:
-            return len(self._blocks)
-        return len(self._pending) + len(self._inflight_keys) + int(self._clear_pending)
+            return self._set.segments
+        changed = sum(1 for seg in self._set.dirty if self._set.changed(seg))
+        return changed + len(self._inflight_keys) + int(self._clear_pending)
 
     @property
     def lag(self) -> float:
@@ -226,12 +209,12 @@ class BlockWriter:
     def stats(self) -> dict[str, object]:
         return {
             "instance_id": self.instance_id, "model": self.model, "state": self.state,
-            "blocks": len(self._blocks), "pending": self.pending, "lag_s": round(self.lag, 6),
-            "changes": self.changes, "coalesced": self.coalesced,
-            "blocks_written": self.blocks_written, "deletes_written": self.deletes_written,
-            "txns": self.txns, "resyncs": self.resyncs, "failures": self.failures,
-            "overflows": self.overflows, "last_revision": self.last_revision,
-            "last_error": self.last_error,
+            "blocks": len(self._set.blocks), "segments": self.segments, "pending": self.pending,
+            "lag_s": round(self.lag, 6), "changes": self.changes,
+            "blocks_written": self.blocks_written, "segments_written": self.segments_written,
+            "deletes_written": self.deletes_written, "txns": self.txns,
+            "resyncs": self.resyncs, "failures": self.failures, "overflows": self.overflows,
+            "last_revision": self.last_revision, "last_error": self.last_error,
         }
 
     async def wait_synced(self, timeout: float | None = None) -> bool:
@@ -265,7 +248,8 @@ class BlockWriter:
             self._resync_since = time.monotonic()
         if self.state != "degraded":
             self.state = "resync_needed"
-        self._pending.clear()
+        self._set.track = False
+        self._set.dirty.clear()
         self._pending_since = None
         self._clear_pending = False
         self._idle.clear()
@@ -287,7 +271,7 @@ class BlockWriter:
                     await self._drain()
                     self._clear_pending = False
                     await self._write([Delete(self.prefix, prefix=True)], lease)
-                elif self._pending:
+                elif self._set.dirty:
                     await self._window()
                     await self._flush(lease)
                     backoff.reset()
@@ -312,7 +296,7 @@ class BlockWriter:
         if self._pending_since is None:
             self._pending_since = time.monotonic()
         deadline = self._pending_since + self.config.flush_interval
-        while len(self._pending) < self.config.flush_ops and not self._resync_needed:
+        while len(self._set.dirty) < self.config.flush_ops and not self._resync_needed:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -325,8 +309,9 @@ class BlockWriter:
     async def _flush(self, lease: int) -> None:
         """Send what is pending now as transactions, at most ``max_inflight`` at once."""
         self.state = "streaming"
-        budget = len(self._pending)
-        while budget > 0 and self._pending and not self._resync_needed and not self._clear_pending:
+        budget = len(self._set.dirty)
+        while (budget > 0 and self._set.dirty and not self._resync_needed
+               and not self._clear_pending):
             # Waiting for a slot is the back-pressure: meanwhile new changes keep coalescing.
             await self._slots.acquire()
             if self._resync_needed or self._clear_pending or self._lease != lease:
@@ -341,48 +326,61 @@ class BlockWriter:
                 await asyncio.wait(list(self._inflight), return_when=asyncio.FIRST_COMPLETED)
                 continue
             budget -= len(keys)
-            ops = self._ops(keys, lease)
-            task = asyncio.create_task(self._send(ops, keys, lease))
+            ops, settles = self._ops(keys, lease)
+            if not ops:
+                # Changed and changed back since the last write: nothing to send.
+                self._inflight_keys.difference_update(keys)
+                self._slots.release()
+                continue
+            task = asyncio.create_task(self._send(ops, keys, settles, lease))
             self._inflight[task] = self._pending_since or time.monotonic()
-            if not self._pending:
+            if not self._set.dirty:
                 self._pending_since = None
 
     def _take(self, n: int) -> list[int]:
         busy = self._inflight_keys
         keys: list[int] = []
-        for h in self._pending:
-            if h not in busy:
-                keys.append(h)
+        pending = self._set.dirty
+        for s in pending:
+            if s not in busy:
+                keys.append(s)
                 if len(keys) >= n:
                     break
-        pending = self._pending
-        for h in keys:
-            del pending[h]
+        for s in keys:
+            del pending[s]
         busy.update(keys)
         return keys
 
-    def _ops(self, keys: list[int], lease: int) -> list[Put | Delete]:
-        t = b"%.4f}" % time.time()
-        prefix, blocks = self.prefix, self._blocks
-        ops: list[Put | Delete] = []
-        for h in keys:
-            entry = blocks.get(h)
-            key = prefix + b"%016x" % h
-            if entry is None:
-                ops.append(Delete(key))
-            else:
-                ops.append(Put(key, _head(entry) + b',"t":' + t, lease))
-        return ops
+    def _ops(self, keys: list[int], lease: int) -> tuple[list[Put | Delete], dict[int, set[int]]]:
+        """The writes of segments ``keys`` as they are now, and per segment the removals they
+        carry (settled once they land)."""
+        t = time.time()
+        changed = [s for s in keys if self._set.changed(s)]
+        settles = {s: gone for s in changed if (gone := self._set.take_removals(s))}
+        return [self._segment_op(s, t, lease) for s in changed], settles
 
-    async def _send(self, ops: list[Put | Delete], keys: list[int], lease: int) -> None:
+    def _segment_op(self, s: int, t: float, lease: int) -> Put | Delete:
+        key = self.layout.segment(self.model, self.instance_id, s)
+        n = self._set.size(s)
+        value = self._set.value(s, t)
+        if value is None:
+            return Delete(key)
+        self._carried[key] = n
+        return Put(key, value, lease)
+
+    async def _send(self, ops: list[Put | Delete], keys: list[int],
+                    settles: dict[int, set[int]], lease: int) -> None:
         try:
             rev = await self.client.txn(ops)
             self._count(ops, rev)
+            self._set.settle(settles)
         except asyncio.CancelledError:
             raise
         except LeaseExpired:
+            self._set.unsettle(settles)
             self._fail("lease expired", lease)
         except EtcdError as exc:
+            self._set.unsettle(settles)
             self._fail(str(exc), None)
         finally:
             self._inflight_keys.difference_update(keys)
@@ -392,9 +390,12 @@ class BlockWriter:
 
     def _count(self, ops: Sequence[Put | Delete], rev: int) -> None:
         self.txns += 1
-        puts = sum(1 for op in ops if isinstance(op, Put))
-        self.blocks_written += puts
-        self.deletes_written += len(ops) - puts
+        for op in ops:
+            if isinstance(op, Put):
+                self.segments_written += 1
+                self.blocks_written += self._carried.pop(op.key, 0)
+            else:
+                self.deletes_written += 1
         self.last_revision = max(self.last_revision, rev)
 
     def _fail(self, why: str, lease: int | None) -> None:
@@ -430,58 +431,56 @@ class BlockWriter:
             await asyncio.gather(*workers, return_exceptions=True)
 
     async def _full_resync(self, lease: int) -> None:
-        """Make etcd equal the set: delete keys not in it, put blocks missing or not identical."""
+        """Make etcd equal the segments: delete keys that are no segment, put segments missing,
+        different or under another lease."""
         self.state = "resyncing"
         await self._drain()
-        # From here on, changes are tracked again relative to the snapshot that etcd will hold.
+        # From here on, changes are tracked again relative to the state etcd will hold.
         self._resync_needed = False
         self._clear_pending = False
-        self._pending.clear()
+        segs = self._set
+        segs.track = True
+        segs.dirty.clear()
         self._pending_since = None
-        snapshot = dict(self._blocks)
+        # This resync writes every segment etcd does not hold as it is now: once it lands,
+        # every removal so far is settled.
+        removals = segs.take_all_removals()
+        t = time.time()
         try:
             _, kvs = await self.client.get_prefix(self.prefix)
             ops: list[Put | Delete] = []
-            current: set[int] = set()
+            same: set[int] = set()
+            live = set(segs.live())
             plen = len(self.prefix)
             for kv in kvs:
-                h = parse_hash_tail(kv.key[plen:])
-                entry = snapshot.get(h) if h is not None else None
-                if entry is None:
+                s = parse_hash_tail(kv.key[plen:])
+                if s is None or s not in live:
                     ops.append(Delete(kv.key))
-                elif kv.lease == lease and kv.value.startswith(_head(entry) + b',"t":'):
-                    current.add(h)  # type: ignore[arg-type]
+                elif kv.lease == lease and segs.holds(s, kv.value):
+                    same.add(s)
             stale = len(ops)
-            t = b"%.4f}" % time.time()
-            for h, entry in snapshot.items():
-                if h not in current:
-                    ops.append(Put(self.prefix + b"%016x" % h, _head(entry) + b',"t":' + t, lease))
+            ops += [self._segment_op(s, t, lease) for s in live - same]
             await self._write(ops, lease)
         except BaseException:
+            segs.unsettle(removals)
             self._need_resync("resync interrupted")
             raise
+        segs.settle(removals)
         self._lease = lease
         self.resyncs += 1
         self._resync_since = None
         self.last_error = None
         self.state = "streaming"
-        logger.info("block writer %s/%s resynced: %d blocks, %d written, %d stale deleted",
-                    self.model, self.instance_id, len(snapshot), len(ops) - stale, stale)
-
-
-def _head(entry: Entry) -> bytes:
-    """The JSON value up to the write time: ``{"m":"GPU","p":"<parent hex>"|null``."""
-    medium, parent = entry
-    p = b"null" if parent is None else b'"%016x"' % parent
-    return b'{"m":"' + medium.encode() + b'","p":' + p
-
+        logger.info("block writer %s/%s resynced: %d blocks in %d segments, %d written, %d "
+                    "stale deleted", self.model, self.instance_id, len(segs), len(live),
+                    len(ops) - stale, stale)
 
 def parse_hash_tail(tail: bytes) -> int | None:
-    """The hash of a canonical ``{hash:016x}`` key tail (16 lowercase hex digits), else None.
+    """The value of a canonical ``{id:016x}`` key tail (16 lowercase hex digits), else None.
 
     ``int(tail, 16)`` alone also takes ``-000000000000001``, ``0x``, ``_`` and blanks, so the
-    round trip decides (only the exact form this writer produces is a block key), after the sign
-    check: ``b"%016x" % -1`` is ``-000000000000001`` again.
+    round trip decides (only the exact form this writer produces is a segment key), after the
+    sign check: ``b"%016x" % -1`` is ``-000000000000001`` again.
     """
     if len(tail) != 16:
         return None

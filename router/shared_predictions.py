@@ -32,10 +32,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgpack
-
 from index.etcd import EtcdClient, KeyValue, WatchEvent
 from index.follow import PrefixFollower
+from index.framing import pack, unpack
 from index.keys import KeyLayout
 from index.lease import LeaseSession, cancel_and_wait
 from index.owned import LeasedKeys
@@ -49,7 +48,6 @@ SLOTS = 64
 MAX_ITEMS = 512
 """Predictions in one flush; more wait for the next (a burst costs a few more puts, not a
 value past etcd's request limit: 512 prompts of 128 blocks are ~0.5 MiB)."""
-_LEN = struct.Struct(">I")
 
 PeerPrediction = tuple[str, "str | None", tuple[int, ...]]
 """(instance, model, prompt block hashes) another router routed."""
@@ -64,24 +62,14 @@ class MalformedPrediction(RouterError, ValueError):
 
 
 def encode(t: float, items: Sequence[PeerPrediction]) -> bytes:
-    header = msgpack.packb({"v": VERSION, "t": t,
-                            "items": [[i, m, len(h)] for i, m, h in items]})
     hashes = [h for _, _, hs in items for h in hs]
-    return b"".join((_LEN.pack(len(header)), header, struct.pack(f"<{len(hashes)}Q", *hashes)))
+    return pack({"v": VERSION, "t": t, "items": [[i, m, len(h)] for i, m, h in items]},
+                struct.pack(f"<{len(hashes)}Q", *hashes))
 
 
 def decode(raw: bytes) -> tuple[float, list[PeerPrediction]]:
     """(flush time, items) of a value; MalformedPrediction when it is not one."""
-    if len(raw) < _LEN.size:
-        raise MalformedPrediction("truncated", f"{len(raw)} bytes")
-    (n,) = _LEN.unpack_from(raw)
-    try:
-        header = msgpack.unpackb(raw[_LEN.size:_LEN.size + n])
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise MalformedPrediction("bad_header", str(exc)) from None
-    if not isinstance(header, dict) or header.get("v") != VERSION:
-        raise MalformedPrediction("version", f"not version {VERSION}: {str(header)[:80]}")
-    body = memoryview(raw)[_LEN.size + n:]
+    header, body = unpack(raw, VERSION, MalformedPrediction)
     items_in = header.get("items")
     t = header.get("t")
     if not isinstance(items_in, list) or not isinstance(t, (int, float)):

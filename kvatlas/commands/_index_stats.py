@@ -29,6 +29,7 @@ from index.agent_stats import parse_stats_key, stats_prefix
 from index.etcd import EtcdClient
 from index.keys import KeyLayout, loads
 from index.mirror import write_time
+from index.segments import decode
 from kvatlas.commands._common import key_layout
 from kvatlas.commands._run_dir import cluster_etcd_settings
 
@@ -65,7 +66,7 @@ async def _sample_lag(client: EtcdClient, layout: KeyLayout, revision: int,
                 if t is None:
                     continue
                 try:
-                    _, instance, _ = layout.parse_block(ev.key)
+                    _, instance, _ = layout.parse_segment(ev.key)
                 except ValueError:
                     continue
                 lags.setdefault(instance, []).append(max(0.0, now - t))
@@ -84,16 +85,17 @@ async def gather_stats(args: argparse.Namespace) -> dict[str, Any]:
     layout = key_layout(args)
     async with EtcdClient(cluster_etcd_settings(args)) as client:
         status = await client.status()  # first: fails fast when etcd is away
-        revision, block_keys = await client.get_prefix(layout.blocks_prefix(), keys_only=True)
+        revision, segments = await client.get_prefix(layout.blocks_prefix())
         _, stat_kvs = await client.get_prefix(stats_prefix(layout))
         lags = await _sample_lag(client, layout, revision, args.sample)
     blocks: dict[tuple[str, str], int] = {}
-    for kv in block_keys:
+    for kv in segments:
         try:
-            model, instance, _ = layout.parse_block(kv.key)
-        except ValueError:
+            model, instance, _ = layout.parse_segment(kv.key)
+            n = len(decode(kv.value).hashes)
+        except ValueError:  # MalformedSegment included
             continue
-        blocks[(model, instance)] = blocks.get((model, instance), 0) + 1
+        blocks[(model, instance)] = blocks.get((model, instance), 0) + n
     published: dict[str, dict[str, Any]] = {}
     for kv in stat_kvs:
         try:

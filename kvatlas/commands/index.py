@@ -22,9 +22,11 @@ from index.etcd import EtcdClient
 from index.hashing import DEFAULT_BLOCK_SIZE, MAX_TOKEN_ID, block_hashes, namespace_seed
 from index.keys import validate_model
 from index.record import InstanceRecord
+from index.segments import decode
 from index.table import BlockTable
 from kvatlas.cli import CLIError
 from kvatlas.commands._common import key_layout, stop_on_signals
+from kvatlas.commands._index_dump import add_dump_parser
 from kvatlas.commands._index_stats import add_stats_parser
 from kvatlas.commands._prompt import (
     add_prompt_args,
@@ -89,6 +91,8 @@ def register(subparsers: Any) -> None:
 
     stats = add_stats_parser(sub)
     add_cluster_etcd_args(stats, CLI_ETCD_TIMEOUT)
+    dump = add_dump_parser(sub)
+    add_cluster_etcd_args(dump, CLI_ETCD_TIMEOUT)
 
 
 def console() -> Console:
@@ -178,30 +182,29 @@ def given_tokens(args: argparse.Namespace) -> list[int] | None:
 
 async def fetch_index(args: argparse.Namespace, model: str,
                       with_records: bool) -> tuple[BlockTable, list[InstanceRecord]]:
-    """Every block key of ``model`` (keys only, one snapshot) as a ``BlockTable``, and, when
+    """Every block segment of ``model`` (one snapshot) as a ``BlockTable``, and, when
     asked, the instance records (which name each instance's tokenizer), in one etcd session."""
     layout = key_layout(args)
     records: list[InstanceRecord] = []
     async with EtcdClient(cluster_etcd_settings(args)) as client:
-        _, kvs = await client.get_prefix(layout.blocks_prefix(model), keys_only=True)
+        _, kvs = await client.get_prefix(layout.blocks_prefix(model))
         if with_records:
             _, inst = await client.get_prefix(layout.instances_prefix())
             records = parse_records(inst, layout.parse_instance)
-    per_instance: dict[str, list[int]] = {}
+    table = BlockTable()
     for kv in kvs:
         try:
-            _, instance, h = layout.parse_block(kv.key)
-        except ValueError:
-            continue  # not a canonical block key (written by another tool): not ours to count
-        per_instance.setdefault(instance, []).append(h)
-    table = BlockTable()
-    for instance, hashes in per_instance.items():
-        table.apply_add(instance, hashes)
+            _, instance, _ = layout.parse_segment(kv.key)
+            seg = decode(kv.value)
+        except ValueError:  # MalformedSegment included: written by another tool, not ours
+            continue
+        for medium, hashes in seg.by_medium().items():
+            table.apply_add(instance, hashes, medium)
     return table, records
 
 
 async def fetch_table(args: argparse.Namespace, model: str) -> BlockTable:
-    """Every block key of ``model`` (keys only, one snapshot) as a ``BlockTable``."""
+    """Every block segment of ``model`` (one snapshot) as a ``BlockTable``."""
     return (await fetch_index(args, model, with_records=False))[0]
 
 

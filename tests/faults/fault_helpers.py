@@ -17,6 +17,7 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Request
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout
+from index.segments import held_blocks
 from kvatlas.launcher.state import ClusterState
 
 SYSTEM = ("You are a careful assistant. Answer in one sentence, cite nothing, and be kind to the "
@@ -173,7 +174,8 @@ async def etcd_keys(state: ClusterState, instance_id: str) -> dict[str, int]:
         inst = await client.get(layout.instance(instance_id))
         _, ranks = await client.get_prefix(layout.ranks_prefix(instance_id))
         _, blocks = await client.get_prefix(layout.blocks_prefix(state.model, instance_id))
-    return {"instance": int(inst is not None), "ranks": len(ranks), "blocks": len(blocks)}
+    return {"instance": int(inst is not None), "ranks": len(ranks),
+            "blocks": len(held_blocks(kv.value for kv in blocks))}
 
 
 async def wait_for(predicate: Any, timeout: float, interval: float = 0.1) -> float:

@@ -25,6 +25,7 @@ from engine.protocol import encode_text
 from index.etcd import EtcdClient, EtcdSettings
 from index.hashing import DEFAULT_BLOCK_SIZE, block_hashes
 from index.keys import KeyLayout, loads
+from index.segments import held_blocks
 from kvatlas.launcher.supervisor import LocalCluster
 
 pytestmark = pytest.mark.timeout(90)
@@ -129,7 +130,9 @@ async def test_prefill_restart_same_id_replaces_keys_and_resyncs(
         settings = EtcdSettings.from_text(cluster.state.etcd, timeout=3.0)
         async with EtcdClient(settings) as client:
             for instance in ("prefill-0", "prefill-1"):
-                if await client.get(layout.block(cluster.state.model, instance, last_block)):
+                _, kvs = await client.get_prefix(layout.blocks_prefix(cluster.state.model,
+                                                                      instance))
+                if last_block in held_blocks(kv.value for kv in kvs):
                     return True
         return False
 

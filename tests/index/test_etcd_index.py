@@ -16,6 +16,7 @@ from index.etcd_index import EtcdBlockIndex
 from index.keys import KeyLayout
 from index.lease import LeaseSession
 from index.mirror import BlockMirror, BlockMirrorConfig
+from index.segments import encode, held_blocks
 from index.writer import BlockWriter, BlockWriterConfig
 from kvatlas.etcd_proc import free_port
 
@@ -121,6 +122,12 @@ async def etcd_keys(etcd: EtcdClient, prefix: bytes) -> dict[bytes, int]:
     return {kv.key: kv.lease for kv in kvs}
 
 
+async def stored(etcd: EtcdClient, layout: KeyLayout, instance: str) -> dict[int, str]:
+    """hash -> medium of every block etcd holds for ``instance`` (its segments decoded)."""
+    _, kvs = await etcd.get_prefix(layout.blocks_prefix(MODEL, instance))
+    return held_blocks(kv.value for kv in kvs)
+
+
 def hashes(n: int, start: int = 1) -> list[int]:
     return [0x1000_0000_0000_0000 + i for i in range(start, start + n)]
 
@@ -166,9 +173,7 @@ async def test_add_and_remove_in_one_window_writes_nothing(etcd: EtcdClient,
         assert await w.wait_synced(10)
         assert w.txns == txns
         assert (await etcd.status()).revision == rev
-        assert w.coalesced == 53
-        keys = await etcd_keys(etcd, layout.blocks_prefix(MODEL, "p0"))
-        assert {int(k.rsplit(b"/", 1)[1], 16) for k in keys} == set(hashes(10))
+        assert set(await stored(etcd, layout, "p0")) == set(hashes(10))
         await w.close()
 
 
@@ -183,16 +188,15 @@ async def test_transactions_are_bounded_and_concurrent(etcd_settings: EtcdSettin
             w.start()
             assert await w.wait_synced(10)
             client.txn_sizes.clear()
-            for i in range(20):  # 20 x 130 hashes, each chained to the previous call
-                chunk = hashes(130, start=1 + i * 130)
-                w.add(chunk[0] - 1 if i else None, chunk)
+            for i in range(600):  # 600 chains of 10 blocks: 600 segments
+                w.add(None, hashes(10, start=1 + i * 10))
             assert await w.wait_synced(20)
             assert max(client.txn_sizes) <= 128
-            assert sum(client.txn_sizes) == 2600
+            assert sum(client.txn_sizes) == 600
             assert client.peak_in_flight > 1
             assert client.peak_in_flight <= 4
             _, kvs = await client.get_prefix(layout.blocks_prefix(MODEL, "p1"))
-            assert len(kvs) == 2600
+            assert len(kvs) == 600 and len(held_blocks(kv.value for kv in kvs)) == 6000
             assert all(kv.lease == session.lease_id for kv in kvs)
             await w.close()
             await session.revoke()
@@ -204,10 +208,11 @@ async def test_transactions_are_bounded_and_concurrent(etcd_settings: EtcdSettin
 async def test_full_resync_deletes_stale_keys_and_keeps_identical_ones(
         etcd: EtcdClient, layout: KeyLayout) -> None:
     prefix = layout.blocks_prefix(MODEL, "p2")
-    # Left over from a previous run of the same instance id: stale blocks and a foreign key.
-    await etcd.txn([Put(layout.block(MODEL, "p2", h), b'{"m":"GPU"}') for h in hashes(5, 900)]
+    # Left over from a previous run of the same instance id: stale segments and a foreign key.
+    await etcd.txn([Put(layout.segment(MODEL, "p2", 100 + i), encode(1.0, None, [h], ["GPU"]))
+                    for i, h in enumerate(hashes(5, 900))]
                    + [Put(prefix + b"not-a-hash", b"x")])
-    other = layout.block(MODEL, "other", 1)
+    other = layout.segment(MODEL, "other", 1)
     await etcd.put(other, b"{}")
     async with session_for(etcd) as session:
         w = BlockWriter(session, layout, MODEL, "p2", BlockWriterConfig())
@@ -215,15 +220,16 @@ async def test_full_resync_deletes_stale_keys_and_keeps_identical_ones(
         w.start()
         assert await w.wait_synced(10)
         keys = await etcd_keys(etcd, prefix)
-        assert set(keys) == {layout.block(MODEL, "p2", h) for h in hashes(20)}
+        assert set(keys) == {layout.segment(MODEL, "p2", 0)}  # one chain: one segment
+        assert set(await stored(etcd, layout, "p2")) == set(hashes(20))
         assert set(keys.values()) == {session.lease_id}
         assert await etcd.get(other) is not None  # another instance's key is not ours to delete
         # A second resync under the same lease rewrites nothing that is already identical.
-        written = w.blocks_written
+        written = w.segments_written
         w._need_resync("test")
         assert await w.wait_synced(10)
         assert w.resyncs == 2
-        assert w.blocks_written == written
+        assert w.segments_written == written
         await w.close()
 
 
@@ -243,7 +249,7 @@ async def test_new_lease_rewrites_the_set(etcd: EtcdClient, layout: KeyLayout) -
                          what="a new lease and a resync")
         assert await w.wait_synced(10)
         keys = await etcd_keys(etcd, prefix)
-        assert len(keys) == 31
+        assert len(await stored(etcd, layout, "p3")) == 31
         assert set(keys.values()) == {session.lease_id}
         assert w.failures >= 1 and w.resyncs >= 2
         await w.close()
@@ -270,7 +276,7 @@ async def test_outage_then_full_resync(etcd: EtcdClient, etcd_endpoint: str,
             proxy.restore()
             assert await w.wait_synced(15)
             keys = await etcd_keys(etcd, layout.blocks_prefix(MODEL, "p5"))
-            assert set(keys) == {layout.block(MODEL, "p5", h) for h in hashes(35, start=11)}
+            assert set(await stored(etcd, layout, "p5")) == set(hashes(35, start=11))
             assert set(keys.values()) == {session.lease_id}
             assert w.failures >= 1 and w.resyncs >= 2 and w.state == "synced"
             await w.close()
@@ -286,18 +292,19 @@ async def test_pending_is_bounded_and_overflow_resyncs(etcd: EtcdClient,
         w = BlockWriter(session, layout, MODEL, "p4", cfg)
         w.start()
         assert await w.wait_synced(10)
-        w.add(None, hashes(80))
-        assert len(w._pending) == 80 and w.state != "resync_needed"
-        w.add(hashes(80)[-1], hashes(500, start=81))
+        for h in hashes(80):  # 80 chains of one block: 80 segments
+            w.add(None, [h])
+        assert len(w._set.dirty) == 80 and w.state != "resync_needed"
+        for h in hashes(500, start=81):
+            w.add(None, [h])
         assert w.overflows == 1
-        assert len(w._pending) == 0  # tracking stopped: memory is the set only
+        assert len(w._set.dirty) == 0  # tracking stopped: memory is the set only
         assert w.state == "resync_needed"
         w.remove(hashes(10))
-        assert len(w._pending) == 0
+        assert len(w._set.dirty) == 0
         assert await w.wait_synced(10)
         assert w.resyncs == 2
-        keys = await etcd_keys(etcd, layout.blocks_prefix(MODEL, "p4"))
-        assert len(keys) == 570
+        assert len(await stored(etcd, layout, "p4")) == 570
         await w.close()
 
 

@@ -31,9 +31,15 @@ def test_key_layout_round_trips() -> None:
     lay = KeyLayout("/x")
     assert lay.instance("p0") == b"/x/v1/instances/p0"
     assert lay.parse_rank(lay.rank("p0", 1, 0, 3, 0)) == ("p0", (1, 0, 3, 0))
-    key = lay.block("org/model", "p0", 0xABC)
-    assert key == b"/x/v1/blocks/org%2Fmodel/p0/0000000000000abc"
-    assert lay.parse_block(key) == ("org/model", "p0", 0xABC)
+    key = lay.segment("org/model", "p0", 0xABC)
+    assert key == b"/x/v2/blocks/org%2Fmodel/p0/0000000000000abc"
+    assert lay.parse_segment(key) == ("org/model", "p0", 0xABC)
+    assert key.startswith(lay.blocks_prefix("org/model", "p0"))
+    assert lay.legacy_blocks_prefix() == b"/x/v1/blocks/"
+    for bad in (b"/x/v2/blocks/m/p0/abc", b"/x/v2/blocks/m/p0/-000000000000001",
+                b"/x/v2/blocks/m/0000000000000abc"):
+        with pytest.raises(ValueError):
+            lay.parse_segment(bad)
     with pytest.raises(ValueError):
         KeyLayout("x/")
 

@@ -30,6 +30,7 @@ from index.etcd import EtcdClient, EtcdSettings
 from index.follow import PrefixFollower
 from index.keys import KeyLayout, dumps
 from index.mirror import BlockMirror, BlockMirrorConfig
+from index.segments import encode
 from kvatlas.etcd_proc import EtcdCluster
 from router.config import RouterConfig
 from router.discovery import InstanceDiscovery
@@ -79,10 +80,10 @@ class MirrorUser(User):
             client, layout, MODEL, BlockMirrorConfig(progress_every=PROGRESS, stale_after=STALE))
 
     def key(self, n: int) -> bytes:
-        return self.layout.block(MODEL, "inst-a", n)
+        return self.layout.segment(MODEL, "inst-a", n)
 
     def value(self, n: int, gen: int) -> bytes:
-        return b'{"m":"G%d","t":0}' % gen  # the medium carries the generation
+        return encode(0.0, None, [n], [f"G{gen}"])  # the medium carries the generation
 
     def view(self) -> dict[int, int]:
         table = self.mirror.table()

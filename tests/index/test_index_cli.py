@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from agent_helpers import REPO, eventually, publish_all, run_cli, tcp
-from kv_sim import SimEngine
+from kv_sim import SimEngine, own
 
 from engine.protocol import encode_text
 from index.agent_stats import stats_key
@@ -18,6 +18,7 @@ from index.events.publisher import KVEventPublisher, PublisherConfig
 from index.hashing import block_hashes
 from index.keys import KeyLayout, loads
 from index.lease import LeaseSession
+from index.segments import held_blocks
 from index.writer import BlockWriter
 from kvatlas.cli import main as cli_main
 from kvatlas.etcd_proc import free_port
@@ -163,9 +164,25 @@ async def test_agent_command_indexes_and_stats_reports_then_sigterm_revokes(
                                 [eng.remove(tokens, [5])]], published_seq)
 
         async def five_blocks() -> bool:
-            _, kvs = await etcd.get_prefix(layout.blocks_prefix(MODEL, "cli-0"), keys_only=True)
-            return len(kvs) == 5
+            _, kvs = await etcd.get_prefix(layout.blocks_prefix(MODEL, "cli-0"))
+            return len(held_blocks(kv.value for kv in kvs)) == 5
         await eventually(five_blocks, 10, "cli-0's 5 blocks in etcd")
+
+        # ``index dump`` shows them as stored: one segment (a chain stored in two steps), in
+        # chain order, the fifth block evicted.
+        rc, out, err = await run_cli("index", "dump", "--instance", "cli-0", "--json", "--etcd",
+                                     etcd_endpoint, "--etcd-prefix", key_prefix)
+        assert rc == 0, err
+        seg, = json.loads(out)
+        mine = [f"{h:016x}" for h in own(tokens, 16)]
+        assert seg["model"] == MODEL and seg["parent"] is None
+        assert seg["blocks"] == [[h, "GPU"] for i, h in enumerate(mine) if i != 5]
+        rc, out, err = await run_cli("index", "dump", "--instance", "cli-0", "--etcd",
+                                     etcd_endpoint, "--etcd-prefix", key_prefix)
+        assert rc == 0 and "5 blocks in 1 segments" in out and mine[0] in out, (out, err)
+        rc, out, err = await run_cli("index", "dump", "--instance", "bad id", "--etcd",
+                                     etcd_endpoint, "--etcd-prefix", key_prefix)
+        assert rc != 0 and "instance id 'bad id' is invalid" in err, (out, err)
 
         rc, out, err = await run_cli("index", "stats", "--json", "--sample", "0.2", "--etcd",
                                      etcd_endpoint, "--etcd-prefix", key_prefix)

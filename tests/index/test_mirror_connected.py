@@ -12,6 +12,7 @@ import pytest
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout
 from index.mirror import BlockMirror, BlockMirrorConfig
+from index.segments import encode
 from kvatlas.etcd_proc import EtcdCluster
 
 pytestmark = pytest.mark.timeout(90)
@@ -31,9 +32,9 @@ async def _until(pred: Callable[[], bool], timeout: float, what: str) -> float:
 async def test_quorum_loss_clears_connected_and_recovery_sets_it(
         etcd_cluster3: EtcdCluster) -> None:
     layout = KeyLayout(prefix="/conn-test")
-    key = layout.block(MODEL, "inst-a", 0xab)
+    key = layout.segment(MODEL, "inst-a", 0xab)
     async with EtcdClient(EtcdSettings.from_text(etcd_cluster3.endpoints, timeout=2.0)) as client:
-        await client.put(key, b'{"m":"gpu","t":0}')
+        await client.put(key, encode(0.0, None, [0xab], ["GPU"]))
         mirror = BlockMirror(client, layout, MODEL, CONFIG)
         assert not mirror.connected, "not connected before the first load"
         mirror.start()
@@ -53,7 +54,8 @@ async def test_quorum_loss_clears_connected_and_recovery_sets_it(
             for member in etcd_cluster3.members[1:]:
                 member.start()
             await _until(lambda: mirror.connected, 30, "connected after the members return")
-            rev = await client.put(layout.block(MODEL, "inst-a", 0xcd), b'{"m":"gpu","t":0}')
+            rev = await client.put(layout.segment(MODEL, "inst-a", 0xcd),
+                                   encode(0.0, None, [0xcd], ["GPU"]))
             assert await mirror.wait_revision(rev, 10)
             assert mirror.blocks("inst-a") == {0xab, 0xcd}
         finally:

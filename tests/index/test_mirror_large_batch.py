@@ -17,12 +17,12 @@ from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout
 from index.lease import LeaseSession, cancel_and_wait
 from index.mirror import BlockMirror, BlockMirrorConfig
+from index.segments import encode
 from index.writer import BlockWriter
 
 pytestmark = pytest.mark.timeout(240)
 MODEL = "org/model-big"
 N = 100_000
-VALUE = b'{"m":"GPU","p":null,"t":1.0}'
 CATCH_UP = 5.0
 """Seconds from the first ordinary write after the big change until the mirror has applied it."""
 
@@ -45,7 +45,7 @@ async def reader(settings: EtcdSettings, layout: KeyLayout,
 
 
 async def ordinary_write(etcd: EtcdClient, layout: KeyLayout, h: int) -> int:
-    return await etcd.put(layout.block(MODEL, "small", h), VALUE)
+    return await etcd.put(layout.segment(MODEL, "small", h), encode(1.0, None, [h], ["GPU"]))
 
 
 async def assert_catches_up(mirror: BlockMirror, etcd: EtcdClient, layout: KeyLayout, h: int,

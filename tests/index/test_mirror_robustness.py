@@ -15,13 +15,21 @@ from index.etcd_index import EtcdBlockIndex
 from index.keys import KeyLayout
 from index.lease import LeaseSession
 from index.mirror import BlockMirror, BlockMirrorConfig
+from index.segments import encode, held_blocks
 from index.writer import BlockWriter, BlockWriterConfig
 
 FAST = BlockMirrorConfig(progress_every=0.05)
 
 
 def key(layout: KeyLayout, model: str, inst: str, h: int) -> bytes:
-    return layout.block(model, inst, h)
+    """The key of a segment of one block whose id is its hash."""
+    return layout.segment(model, inst, h)
+
+
+def put(layout: KeyLayout, model: str, inst: str, h: int, lease: int = 0,
+        medium: str = "GPU") -> Put:
+    """A writer's put of that one-block segment."""
+    return Put(key(layout, model, inst, h), encode(1.0, None, [h], [medium]), lease)
 
 
 async def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
@@ -41,7 +49,7 @@ async def test_foreign_keys_are_counted_and_skipped(etcd: EtcdClient, layout: Ke
         m.start()
         assert await m.wait_ready(10)
     try:
-        await etcd.put(key(layout, "m", "a", 1), value)
+        await etcd.txn([put(layout, "m", "a", 1)])
         foreign = [
             root + b"m/\xff\xfe/0000000000000002",        # instance id not UTF-8
             root + b"m/a/-000000000000003",               # int(..., 16) would take it as -3
@@ -55,7 +63,7 @@ async def test_foreign_keys_are_counted_and_skipped(etcd: EtcdClient, layout: Ke
         ]
         for k in foreign:
             await etcd.put(k, value)
-        rev = await etcd.txn([Put(key(layout, "m", "a", 10), value)])
+        rev = await etcd.txn([put(layout, "m", "a", 10)])
         assert await one.wait_revision(rev, 10) and await every.wait_revision(rev, 10)
         assert one.blocks("a") == {1, 10} and one.instances() == {"a"}
         assert every.blocks("a", "m") == {1, 10} and every.instances("m") == {"a"}
@@ -63,7 +71,7 @@ async def test_foreign_keys_are_counted_and_skipped(etcd: EtcdClient, layout: Ke
         assert every.bad_keys == len(foreign)
         # Deletes of foreign keys are skipped the same way.
         await etcd.delete(root + b"m/\xff\xfe/0000000000000002")
-        rev = await etcd.txn([Put(key(layout, "m", "b", 11), value)])
+        rev = await etcd.txn([put(layout, "m", "b", 11)])
         assert await one.wait_revision(rev, 10) and await every.wait_revision(rev, 10)
         assert one.lookup([11]) == {"b": 1} and every.lookup([11], "m") == {"b": 1}
         for m in (one, every):
@@ -119,10 +127,9 @@ async def test_a_batch_that_fails_to_apply_reloads(etcd_settings: EtcdSettings, 
     mirror.start()
     try:
         assert await mirror.wait_ready(10)
-        value = b'{"m":"GPU","p":null,"t":1.0}'
-        await etcd.put(key(layout, "m", "a", 1), value)
+        await etcd.txn([put(layout, "m", "a", 1)])
         await wait_until(lambda: mirror.errors == 1, what="the failed batch")
-        rev = await etcd.txn([Put(key(layout, "m", "a", 2), value)])
+        rev = await etcd.txn([put(layout, "m", "a", 2)])
         assert await mirror.wait_revision(rev, 10)
         assert mirror.blocks("a") == {1, 2}
         assert mirror.reloads >= 2 and mirror.ready
@@ -148,8 +155,7 @@ async def test_resource_exhausted_watch_reloads(etcd_settings: EtcdSettings, etc
     mirror.start()
     try:
         assert await mirror.wait_ready(10)
-        value = b'{"m":"GPU","p":null,"t":1.0}'
-        rev = await etcd.txn([Put(key(layout, "m", "a", 1), value)])
+        rev = await etcd.txn([put(layout, "m", "a", 1)])
         assert await mirror.wait_revision(rev, 10)
         assert mirror.blocks("a") == {1}
         assert client.hit and mirror.reloads == 2 and mirror.resumes == 0
@@ -166,15 +172,14 @@ async def test_huge_lease_expiry_arrives_as_one_reassembled_batch(etcd: EtcdClie
     n = 16_000
     inst = "i" * 120
     lease, _ = await etcd.grant(30)
-    value = b'{"m":"GPU","p":null,"t":1.0}'
-    keys = [key(layout, "m", inst, h) for h in range(1, n + 1)]
+    blocks = list(range(1, n + 1))
     sem = asyncio.Semaphore(8)
 
-    async def put(chunk: list[bytes]) -> None:
+    async def put_all(chunk: list[int]) -> None:
         async with sem:
-            await etcd.txn([Put(k, value, lease) for k in chunk])
+            await etcd.txn([put(layout, "m", inst, h, lease) for h in chunk])
 
-    await asyncio.gather(*(put(keys[i:i + 128]) for i in range(0, n, 128)))
+    await asyncio.gather(*(put_all(blocks[i:i + 128]) for i in range(0, n, 128)))
     mirror = BlockMirror(etcd, layout, "m", FAST)
     mirror.start()
     rev0, _ = await etcd.get_prefix(layout.blocks_prefix("m"), keys_only=True)
@@ -206,11 +211,10 @@ async def test_caches_shrink_when_instances_and_models_go(etcd: EtcdClient,
     every = BlockMirror(etcd, layout, None, FAST)
     every.start()
     assert await every.wait_ready(10)
-    value = b'{"m":"CPU","p":null,"t":1.0}'
     try:
         lease, _ = await etcd.grant(30)
-        rev = await etcd.txn([Put(key(layout, f"model-{i}", f"inst-{i}", 1), value, lease)
-                              for i in range(20)] + [Put(key(layout, "kept", "k", 1), value)])
+        rev = await etcd.txn([put(layout, f"model-{i}", f"inst-{i}", 1, lease, "CPU")
+                              for i in range(20)] + [put(layout, "kept", "k", 1, medium="CPU")])
         assert await every.wait_revision(rev, 10)
         assert len(every.tables) == 21 and every.stats()["cached_names"] == 42
         await etcd.revoke(lease)
@@ -219,7 +223,7 @@ async def test_caches_shrink_when_instances_and_models_go(etcd: EtcdClient,
         assert every.stats()["cached_names"] == 2
         # Deletes of an instance never seen must not leave a name behind either.
         await etcd.txn([Delete(key(layout, "kept", "ghost", 5))])
-        rev = await etcd.txn([Put(key(layout, "kept", "k", 2), value)])
+        rev = await etcd.txn([put(layout, "kept", "k", 2)])
         assert await every.wait_revision(rev, 10)
         assert every.blocks("k", "kept") == {1, 2}
         assert every.stats()["cached_names"] == 2
@@ -277,7 +281,8 @@ async def test_writer_reports_the_lease_its_failing_resync_used(etcd_settings: E
         # No hot loop on the dead lease: one failure, then a resync under the new lease.
         assert writer.failures == 1 and writer.resyncs == 1
         _, kvs = await client.get_prefix(writer.prefix)
-        assert len(kvs) == 3 and {kv.lease for kv in kvs} == {session.lease_id}
+        assert len(held_blocks(kv.value for kv in kvs)) == 3
+        assert {kv.lease for kv in kvs} == {session.lease_id}
     finally:
         await writer.close()
         task.cancel()

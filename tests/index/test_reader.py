@@ -99,7 +99,7 @@ async def test_a_mirror_of_every_model_answers_per_model(etcd: EtcdClient,
         assert every.version(OTHER) != v_other and every.version() != v_all
 
         # A delete in a model the mirror never saw creates no model.
-        rev = await etcd.txn([Delete(layout.block("never/seen", "a", prompt[0]))])
+        rev = await etcd.txn([Delete(layout.segment("never/seen", "a", prompt[0]))])
         assert await every.wait_revision(rev, 10)
         assert every.models() == {MODEL, OTHER}
 

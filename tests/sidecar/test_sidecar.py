@@ -23,8 +23,10 @@ from index.etcd import EtcdClient, EtcdSettings
 from index.events.publisher import KVEventPublisher, PublisherConfig
 from index.events.subscriber import SubscriberConfig
 from index.events.types import BlockStored
+from index.hashing import block_hashes
 from index.keys import KeyLayout, loads
 from index.record import InstanceRecord
+from index.segments import held_blocks
 from kvatlas.etcd_proc import free_port
 from sidecar.config import SidecarConfig
 from sidecar.errors import SidecarError
@@ -262,7 +264,9 @@ async def test_events_of_every_dp_rank_are_indexed_and_another_block_size_is_rej
             assert doc is not None and doc["rejected"] == {"block_size_mismatch": 1}
             assert doc["applied"] == 2 and doc["last_seq"] == [0, 1]
             _, kvs = await etcd.get_prefix(layout.blocks_prefix("tiny", "e0"))
-            assert len(kvs) == 2  # one block from each DP rank, one instance
+            assert set(held_blocks(kv.value for kv in kvs)) == {
+                block_hashes(list(range(16)), 16)[0], block_hashes(list(range(100, 116)), 16)[0]}
+            # one block from each DP rank, one instance
             assert sc.attachment is not None
             shown = await asyncio.to_thread(
                 subprocess.run, [sys.executable, "-m", "kvatlas", "index", "stats", "--etcd",
