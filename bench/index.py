@@ -11,7 +11,10 @@ Parts, each with the limit it is compared with, measured in the same run:
    (the coalescing gain) and etcd's db size sampled over time, first with the launch settings of
    ``kvatlas.etcd_proc.COMPACTION_ARGS`` and then with periodic auto-compaction, to show what keeps
    the db bounded.
-3. Lookup: p50/p99 and lookups/s for prompts of 64/256/1024 blocks with 8/64/256 instances and
+3. Scale: block changes/s through one etcd with 1, 2 and 4 writer processes churning at once
+   (``bench/_index_scale.py``), the write-to-watch lag a separate process sees meanwhile, and the
+   db size; against the one-key-per-block limit (raw puts, part 1) of the same etcd.
+4. Lookup: p50/p99 and lookups/s for prompts of 64/256/1024 blocks with 8/64/256 instances and
    1M blocks indexed, measured on ``index.table.BlockTable`` directly: the mirror answers lookups
    with exactly that structure, so the etcd side adds nothing to a lookup. Then memory per indexed
    block (tracemalloc) and how the cost grows with prompt length, instances and blocks indexed.
@@ -38,7 +41,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _index_lookup import cpu_parts, show  # noqa: E402  (bench/ is the script's directory)
+import _index_scale  # noqa: E402  (bench/ is the script's directory)
+from _index_lookup import cpu_parts, show  # noqa: E402
 
 from index.etcd import EtcdClient, EtcdSettings  # noqa: E402
 from index.keys import KeyLayout  # noqa: E402
@@ -76,7 +80,8 @@ async def raw_puts(client: EtcdClient, layout: KeyLayout, lease: int, n: int,
 
     async def worker() -> None:
         for i in keys:
-            await client.put(layout.block(MODEL, "raw", i), value, lease)
+            # Beside the blocks prefix: a key per block is the limit measured, not a layout.
+            await client.put(f"{layout.prefix}/raw/{i:016x}".encode(), value, lease)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -100,7 +105,7 @@ async def write_path(endpoint: str, n_blocks: int, raw_n: int) -> dict[str, Any]
             out["raw_put_seq_blocks_s"] = await raw_puts(client, layout, lease, raw_n // 4, 1)
             out["raw_put_conc_blocks_s"] = await raw_puts(client, layout, lease, raw_n,
                                                           cfg.max_inflight)
-            await client.delete(layout.blocks_prefix(MODEL, "raw"), prefix=True)
+            await client.delete(f"{layout.prefix}/raw/".encode(), prefix=True)
             writer = BlockWriter(session, layout, MODEL, "w0", cfg)
             writer.start()
             await writer.wait_synced(30)
@@ -122,7 +127,8 @@ async def write_path(endpoint: str, n_blocks: int, raw_n: int) -> dict[str, Any]
             lag = mirror.lag_stats()
             out.update({
                 "blocks": len(writer), "writer_blocks_s": len(writer) / dt,
-                "txns": writer.txns, "ops_per_txn": writer.blocks_written / max(1, writer.txns),
+                "txns": writer.txns, "segments": writer.segments,
+                "ops_per_txn": writer.segments_written / max(1, writer.txns),
                 "mirror_visible_blocks_s": len(writer) / seen,
                 "mirror_lag_p50_ms": lag["p50"] * 1e3, "mirror_lag_p99_ms": lag["p99"] * 1e3,
                 "mirror_lag_samples": lag["samples"],
@@ -178,21 +184,12 @@ async def churn(endpoint: str, seconds: float, rate: float, capacity: int,
                                     "in_use_mb": st.db_size_in_use / MB,
                                     "revision": st.revision})
                     next_sample += sample_every
-                # Offered load: changes follow ``rate``; each store event brings 32 new blocks and
-                # the LRU evicts as many once full (engines report only blocks they newly store).
-                # Chunks are made at most 4,096 changes at a time, then the loop yields, so that
-                # an offered rate above what this CPU can make does not starve the writer.
+                # Offered load: changes follow ``rate``, made at most 4,096 at a time, then the
+                # loop yields, so that an offered rate above what this CPU can make does not
+                # starve the writer.
                 tick = made + 4096
                 while made < min(tick, rate * (time.perf_counter() - t0)):
-                    chunk = [rng.getrandbits(64) for _ in range(32)]
-                    writer.add(None, chunk)
-                    lru.update(dict.fromkeys(chunk))
-                    made += 32
-                    evict = []
-                    while len(lru) > capacity:
-                        evict.append(lru.popitem(last=False)[0])
-                    writer.remove(evict)
-                    made += len(evict)
+                    made += _index_scale.churn_once(writer, rng, lru, capacity)
                 peak_pending = max(peak_pending, writer.pending)
                 await asyncio.sleep(0.002)
             await writer.wait_synced(120)
@@ -200,11 +197,11 @@ async def churn(endpoint: str, seconds: float, rate: float, capacity: int,
             st = await client.status()
             samples.append({"t": round(dt, 1), "db_mb": st.db_size / MB,
                             "in_use_mb": st.db_size_in_use / MB, "revision": st.revision})
-            ops = writer.blocks_written + writer.deletes_written
+            ops = writer.segments_written + writer.deletes_written
             out = {
                 "seconds": dt, "offered_changes_s": rate, "changes": writer.changes,
                 "changes_s": writer.changes / dt, "etcd_ops": ops, "txns": writer.txns,
-                "coalesced": writer.coalesced, "coalescing_gain": writer.changes / max(1, ops),
+                "segments": writer.segments, "coalescing_gain": writer.changes / max(1, ops),
                 "raw_puts_avoided_ratio": writer.changes / max(1, writer.txns),
                 "peak_pending": peak_pending, "resyncs": writer.resyncs,
                 "db_samples": samples,
@@ -311,11 +308,34 @@ async def etcd_parts(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def scale_part(args: argparse.Namespace, write: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    out = []
+    raw = write.get("raw_put_conc_blocks_s")
+    for writers in (1, 2, 4):
+        cluster = start_etcd([])
+        try:
+            r = _index_scale.run(cluster.endpoints, writers, args.scale_rate, args.scale_s,
+                                 args.capacity)
+        finally:
+            cluster.stop()
+        out.append(r)
+        vs = f", {r['changes_s'] / raw:,.0f}x one key per block" if raw else ""
+        rows.append((f"{writers} writer process{'es' if writers > 1 else ''}",
+                     f"{r['changes_s']:,.0f} changes/s ({r['changes_per_op']:.0f} per etcd op, "
+                     f"{r['etcd_ops_s']:,.0f} ops/s{vs}); lag p50 {r['lag_p50_ms']:.1f} / p99 "
+                     f"{r['lag_p99_ms']:.1f} ms; db {r['db_mb']:.0f} MB"))
+    show(f"block changes/s through one etcd (each writer offered {args.scale_rate:,.0f}/s, "
+         f"LRU of {args.capacity:,} blocks, {args.scale_s:.0f} s)", rows)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes, about a minute")
-    p.add_argument("--parts", default="etcd,lookup",
-                   help="comma-separated parts to run: etcd (write path, churn), lookup")
+    p.add_argument("--parts", default="etcd,scale,lookup",
+                   help="comma-separated parts to run: etcd (write path, churn), scale (writer "
+                        "processes at once), lookup")
     p.add_argument("--periodic-retention", default=None,
                    help="auto-compaction retention of the periodic-mode churn run (default 10s, "
                         "5s with --quick): a time-compressed stand-in for a production 1m")
@@ -328,6 +348,8 @@ def main() -> int:
     args.churn_rate = 20_000.0
     args.capacity = 20_000
     args.gain_s = 6.0 if q else 10.0
+    args.scale_rate = 600_000.0  # more than one writer process makes on this CPU
+    args.scale_s = 6.0 if q else 15.0
     args.gain_rate = 40_000.0
     args.gain_capacity = 100
     args.overload_rate = 150_000.0
@@ -341,6 +363,8 @@ def main() -> int:
     results: dict[str, Any] = {"quick": q, "compaction_args": COMPACTION_ARGS}
     if "etcd" in args.parts:
         results.update(asyncio.run(etcd_parts(args)))
+    if "scale" in args.parts:
+        results["scale"] = scale_part(args, results.get("write", {}))
     if "lookup" in args.parts:
         results.update(cpu_parts(args))
     results["wall_s"] = time.time() - t0
