@@ -338,6 +338,12 @@ class EtcdClient:
                 return revision, out
             start = resp.kvs[-1].key + b"\0"
 
+    async def count_prefix(self, prefix: bytes) -> int:
+        """How many keys are under ``prefix`` (etcd counts them; none are sent)."""
+        req = rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix), count_only=True)
+        resp = await self._call("count_prefix", "_kv", "Range", req)
+        return int(resp.count)
+
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
         resp = await self._call("put", "_kv", "Put", rpc.PutRequest(key=key, value=value, lease=lease))
         return int(resp.header.revision)

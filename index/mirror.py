@@ -202,15 +202,16 @@ class BlockMirror(PrefixFollower, IndexReader):
     # --- the follower's hooks ---------------------------------------------------------------
 
     async def reload(self) -> None:
-        await super().reload()
-        # Once per snapshot: is an older writer still writing the layout before segments?
-        _, old = await self.client.get_prefix(self.layout.legacy_blocks_prefix(), keys_only=True)
+        # Once per snapshot, first (so that it is known when the mirror reads ready): is an
+        # older writer still writing the layout before segments?
+        old = await self.client.count_prefix(self.layout.legacy_blocks_prefix())
         if old and not self.legacy_blocks:
             logger.warning("%s: %d block keys under %s, the layout of kvatlas before block "
                            "segments, which nothing reads any more: upgrade the engines, index "
-                           "agents and sidecars writing them", self.name, len(old),
+                           "agents and sidecars writing them", self.name, old,
                            self.layout.legacy_blocks_prefix().decode())
-        self.legacy_blocks = len(old)
+        self.legacy_blocks = old
+        await super().reload()
 
     def load(self, revision: int, kvs: list[KeyValue]) -> None:
         # Interned names start over: a reload is when caches of the vanished can go.

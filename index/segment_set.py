@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from index.segments import MAX_SEGMENT_BLOCKS, MalformedSegment, decode, encode
+from index.segments import MAX_SEGMENT_BLOCKS, encode
 
 Entry = tuple[str, "int | None"]  # (medium, parent hash or None)
 
@@ -187,23 +187,6 @@ class SegmentSet:
             else:
                 del self.segs[s]
                 self.parents.pop(s, None)
-
-    def holds(self, s: int, value: bytes) -> bool:
-        """Whether ``value`` (etcd's) is segment ``s`` as it is now, write time aside; if so it
-        counts as written."""
-        seg = self.segs.get(s)
-        if not seg:
-            return False
-        try:
-            got = decode(value)
-        except MalformedSegment:
-            return False
-        blocks = self.blocks
-        same = (got.parent == self.parents.get(s) and got.hashes == tuple(seg)
-                and got.media == tuple(blocks[h][0] for h in seg))
-        if same:
-            self.written[s] = _fingerprint(got.parent, got.hashes, got.media)
-        return same
 
     def size(self, s: int) -> int:
         return len(self.segs.get(s) or ())

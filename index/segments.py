@@ -108,3 +108,14 @@ def held_blocks(values: Iterable[bytes]) -> dict[int, str]:
             continue
         out.update(zip(seg.hashes, seg.media, strict=True))
     return out
+
+
+def same_content(a: bytes, b: bytes | None) -> bool:
+    """Whether two segment values hold the same blocks, media and parent (write times aside)."""
+    if b is None:
+        return False
+    try:
+        x, y = decode(a), decode(b)
+    except MalformedSegment:
+        return False
+    return (x.parent, x.hashes, x.media) == (y.parent, y.hashes, y.media)

@@ -36,6 +36,7 @@ from index.etcd import Delete, EtcdClient, Put
 from index.keys import KeyLayout, validate_instance_id, validate_model
 from index.lease import Backoff, LeaseSession, cancel_and_wait
 from index.segment_set import Entry, SegmentSet
+from index.segments import same_content
 
 logger = logging.getLogger(__name__)
 
@@ -445,21 +446,27 @@ class BlockWriter:
         # This resync writes every segment etcd does not hold as it is now: once it lands,
         # every removal so far is settled.
         removals = segs.take_all_removals()
+        # The segments as they are now, before any await: what changes meanwhile is dirty and
+        # written after (a clear() meanwhile range-deletes after this resync).
         t = time.time()
+        snapshot = {s: (segs.value(s, t), segs.size(s)) for s in list(segs.live())}
         try:
             _, kvs = await self.client.get_prefix(self.prefix)
             ops: list[Put | Delete] = []
             same: set[int] = set()
-            live = set(segs.live())
             plen = len(self.prefix)
             for kv in kvs:
                 s = parse_hash_tail(kv.key[plen:])
-                if s is None or s not in live:
+                if s is None or s not in snapshot:
                     ops.append(Delete(kv.key))
-                elif kv.lease == lease and segs.holds(s, kv.value):
+                elif kv.lease == lease and same_content(kv.value, snapshot[s][0]):
                     same.add(s)
             stale = len(ops)
-            ops += [self._segment_op(s, t, lease) for s in live - same]
+            for s, (value, n) in snapshot.items():
+                if s not in same and value is not None:
+                    key = self.layout.segment(self.model, self.instance_id, s)
+                    self._carried[key] = n
+                    ops.append(Put(key, value, lease))
             await self._write(ops, lease)
         except BaseException:
             segs.unsettle(removals)
@@ -472,7 +479,7 @@ class BlockWriter:
         self.last_error = None
         self.state = "streaming"
         logger.info("block writer %s/%s resynced: %d blocks in %d segments, %d written, %d "
-                    "stale deleted", self.model, self.instance_id, len(segs), len(live),
+                    "stale deleted", self.model, self.instance_id, len(segs), len(snapshot),
                     len(ops) - stale, stale)
 
 def parse_hash_tail(tail: bytes) -> int | None:

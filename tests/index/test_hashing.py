@@ -2,7 +2,7 @@
 directly (the expected values never come from ``index.hashing`` itself).
 
 The model is not part of the hash: it is part of the etcd key path
-(``/kvatlas/v1/blocks/{model}/...``), so two models' identical token blocks hash the same and are
+(``/kvatlas/v2/blocks/{model}/...``), so two models' identical token blocks hash the same and are
 kept apart by the key layout instead. Only the LoRA name and the cache salt change the seed.
 """
 from __future__ import annotations

@@ -290,3 +290,21 @@ async def test_writer_reports_the_lease_its_failing_resync_used(etcd_settings: E
             await task
         await session.revoke()
         await client.close()
+
+
+async def test_blocks_of_the_layout_before_segments_are_named_not_read(
+        etcd: EtcdClient, layout: KeyLayout, caplog) -> None:  # type: ignore[no-untyped-def]
+    # What a writer of kvatlas before segments puts: one JSON key per block under /v1/blocks/.
+    await etcd.put(layout.legacy_blocks_prefix() + b"m/old/00000000000000aa",
+                   b'{"m":"GPU","p":null,"t":1.0}')
+    await etcd.txn([put(layout, "m", "new", 0xbb)])
+    mirror = BlockMirror(etcd, layout, "m", FAST)
+    mirror.start()
+    try:
+        assert await mirror.wait_ready(10)
+        assert mirror.instances() == {"new"}  # the old writer's blocks are not read ...
+        assert mirror.stats()["legacy_blocks"] == 1  # ... but named
+        assert any("before block segments" in r.getMessage() and "upgrade" in r.getMessage()
+                   for r in caplog.records), caplog.text
+    finally:
+        await mirror.close()

@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from index.segment_set import SegmentSet
-from index.segments import MAX_SEGMENT_BLOCKS, MalformedSegment, decode, encode, held_blocks
+from index.segments import (
+    MAX_SEGMENT_BLOCKS,
+    MalformedSegment,
+    decode,
+    encode,
+    held_blocks,
+    same_content,
+)
 
 hashes_st = st.lists(st.integers(0, 2**64 - 1), max_size=80)
 media_st = st.sampled_from(["GPU", "CPU", "CPU_PINNED", "DISK"])
@@ -139,15 +146,15 @@ class SegmentsAgainstEtcd(RuleBasedStateMachine):
             self.land()
         ss = self.ss
         removals = ss.take_all_removals()
-        live = set(ss.live())
-        for s in list(self.etcd):
-            if s not in live:
-                self.inflight.append(([(s, None)], {}))
-        self.t += 1
-        for s in live:
-            if s not in self.etcd or not ss.holds(s, self.etcd[s]):
-                self.inflight.append(([(s, ss.value(s, self.t))], {}))
         ss.dirty.clear()
+        self.t += 1
+        snapshot = {s: ss.value(s, self.t) for s in list(ss.live())}
+        for s in list(self.etcd):
+            if s not in snapshot:
+                self.inflight.append(([(s, None)], {}))
+        for s, value in snapshot.items():
+            if s not in self.etcd or not same_content(self.etcd[s], value):
+                self.inflight.append(([(s, value)], {}))
         while self.inflight:
             self.land()
         ss.settle(removals)
