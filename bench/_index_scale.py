@@ -37,22 +37,43 @@ MODEL = "bench/model"
 MB = 1024 * 1024
 
 
-def churn_once(writer: BlockWriter, rng: random.Random, lru: OrderedDict[int, None],
-               capacity: int) -> int:
-    """An LRU prefix cache stores one 32-block chain and evicts its oldest blocks past
-    ``capacity`` (engines report only blocks they newly store); the changes made."""
-    chunk = [rng.getrandbits(64) for _ in range(32)]
-    writer.add(None, chunk)
-    lru.update(dict.fromkeys(chunk))
-    evict = []
-    while len(lru) > capacity:
-        evict.append(lru.popitem(last=False)[0])
-    writer.remove(evict)
-    return len(chunk) + len(evict)
+class ChurnCache:
+    """An engine's prefix cache, as the block writer sees it: each ``step`` stores one 32-block
+    chain and evicts as many blocks past ``capacity`` (engines report only blocks they newly
+    store). Oldest first (an LRU of stores: whole chains go), or with ``scatter`` blocks drawn at
+    random, each most likely from another chain: the worst case for segments, one rewritten per
+    evicted block."""
+
+    def __init__(self, capacity: int, rng: random.Random, scatter: bool = False) -> None:
+        self.capacity, self.rng, self.scatter = capacity, rng, scatter
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.pool: list[int] = []
+        """With ``scatter``: the held blocks, for an O(1) random eviction (swap-remove)."""
+
+    def step(self, writer: BlockWriter) -> int:
+        """Store a chain, evict; the changes made."""
+        rng = self.rng
+        chunk = [rng.getrandbits(64) for _ in range(32)]
+        writer.add(None, chunk)
+        evict = []
+        if self.scatter:
+            pool = self.pool
+            pool.extend(chunk)
+            while len(pool) > self.capacity:
+                i = rng.randrange(len(pool) - len(chunk))
+                pool[i], pool[-1] = pool[-1], pool[i]
+                evict.append(pool.pop())
+        else:
+            lru = self.lru
+            lru.update(dict.fromkeys(chunk))
+            while len(lru) > self.capacity:
+                evict.append(lru.popitem(last=False)[0])
+        writer.remove(evict)
+        return len(chunk) + len(evict)
 
 
 async def writer_main(endpoint: str, prefix: str, instance: str, rate: float, seconds: float,
-                      capacity: int, seed: int) -> dict[str, Any]:
+                      capacity: int, seed: int, scatter: bool = False) -> dict[str, Any]:
     client = EtcdClient(EtcdSettings.from_text(endpoint))
     await client.connect()
     session = LeaseSession(client, 30)
@@ -61,15 +82,14 @@ async def writer_main(endpoint: str, prefix: str, instance: str, rate: float, se
     writer = BlockWriter(session, KeyLayout(prefix), MODEL, instance, BlockWriterConfig())
     writer.start()
     await writer.wait_synced(30)
-    rng = random.Random(seed)
-    lru: OrderedDict[int, None] = OrderedDict()
+    cache = ChurnCache(capacity, random.Random(seed), scatter)
     made = 0
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         # Chunks of at most 4,096 changes, then yield: the writer must get the loop.
         tick = made + 4096
         while made < min(tick, rate * (time.perf_counter() - t0)):
-            made += churn_once(writer, rng, lru, capacity)
+            made += cache.step(writer)
         await asyncio.sleep(0.002)
     synced = await writer.wait_synced(60)
     dt = time.perf_counter() - t0
@@ -84,7 +104,7 @@ async def writer_main(endpoint: str, prefix: str, instance: str, rate: float, se
 
 
 def run(endpoint: str, writers: int, rate: float, seconds: float, capacity: int,
-        prefix: str = "/bench-scale") -> dict[str, Any]:
+        prefix: str = "/bench-scale", scatter: bool = False) -> dict[str, Any]:
     """``writers`` processes, each offered ``rate`` changes/s; the totals and the lag."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     tmp = Path(tempfile.mkdtemp(prefix="kvatlas-scale-"))
@@ -94,7 +114,8 @@ def run(endpoint: str, writers: int, rate: float, seconds: float, capacity: int,
         procs.append((out, subprocess.Popen(
             [sys.executable, __file__, "worker", "--etcd", endpoint, "--prefix", prefix,
              "--instance", f"w{i}", "--rate", str(rate), "--seconds", str(seconds),
-             "--capacity", str(capacity), "--seed", str(i), "--out", str(out)],
+             "--capacity", str(capacity), "--seed", str(i), "--out", str(out),
+             *(["--scatter"] if scatter else [])],
             cwd=ROOT, env=env)))
     # The lag is sampled in the middle of the run, from a process of its own (a router's view).
     time.sleep(min(3.0, seconds / 3))
@@ -115,7 +136,7 @@ def run(endpoint: str, writers: int, rate: float, seconds: float, capacity: int,
     changes = sum(r["changes"] for r in rows)
     ops = sum(r["etcd_ops"] for r in rows)
     return {
-        "writers": writers, "offered_changes_s": rate * writers, "seconds": wall,
+        "writers": writers, "scatter": scatter, "offered_changes_s": rate * writers, "seconds": wall,
         "changes": changes, "changes_s": changes / wall, "etcd_ops": ops,
         "etcd_ops_s": ops / wall, "changes_per_op": changes / max(1, ops),
         "all_synced": all(r["synced"] for r in rows),
@@ -146,10 +167,12 @@ def main() -> int:
     p.add_argument("--capacity", type=int, default=20_000, help="each writer's LRU, in blocks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--scatter", action="store_true",
+                   help="evict random blocks, not the oldest chains (segments' worst case)")
     args = p.parse_args()
     if args.mode == "worker":
         res = asyncio.run(writer_main(args.etcd, args.prefix, args.instance, args.rate,
-                                      args.seconds, args.capacity, args.seed))
+                                      args.seconds, args.capacity, args.seed, args.scatter))
         Path(args.out).write_text(json.dumps(res))
         return 0
     from kvatlas.etcd_proc import EtcdCluster
@@ -159,7 +182,8 @@ def main() -> int:
         cluster = EtcdCluster(1).start()
         endpoint = cluster.endpoints
     try:
-        res = run(endpoint, args.writers, args.rate, args.seconds, args.capacity, args.prefix)
+        res = run(endpoint, args.writers, args.rate, args.seconds, args.capacity, args.prefix,
+                  args.scatter)
     finally:
         if cluster is not None:
             cluster.stop()

@@ -34,7 +34,6 @@ import random
 import sys
 import time
 import tracemalloc
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -166,13 +165,12 @@ async def churn(endpoint: str, seconds: float, rate: float, capacity: int,
     client = EtcdClient(EtcdSettings.from_text(endpoint))
     await client.connect()
     samples: list[dict[str, float]] = []
-    rng = random.Random(2)
+    cache = _index_scale.ChurnCache(capacity, random.Random(2))
     try:
         async with lease_session(client) as session:
             writer = BlockWriter(session, layout, MODEL, "c0", BlockWriterConfig())
             writer.start()
             await writer.wait_synced(30)
-            lru: OrderedDict[int, None] = OrderedDict()
             t0 = time.perf_counter()
             next_sample = 0.0
             made = 0
@@ -189,7 +187,7 @@ async def churn(endpoint: str, seconds: float, rate: float, capacity: int,
                 # starve the writer.
                 tick = made + 4096
                 while made < min(tick, rate * (time.perf_counter() - t0)):
-                    made += _index_scale.churn_once(writer, rng, lru, capacity)
+                    made += cache.step(writer)
                 peak_pending = max(peak_pending, writer.pending)
                 await asyncio.sleep(0.002)
             await writer.wait_synced(120)
@@ -312,16 +310,19 @@ def scale_part(args: argparse.Namespace, write: dict[str, Any]) -> list[dict[str
     rows = []
     out = []
     raw = write.get("raw_put_conc_blocks_s")
-    for writers in (1, 2, 4):
+    # Oldest chains evicted first (an LRU of stores), then blocks evicted at random (the worst
+    # case for segments: most evictions rewrite another segment).
+    for writers, scatter in ((1, False), (2, False), (4, False), (1, True), (2, True)):
         cluster = start_etcd([])
         try:
             r = _index_scale.run(cluster.endpoints, writers, args.scale_rate, args.scale_s,
-                                 args.capacity)
+                                 args.capacity, scatter=scatter)
         finally:
             cluster.stop()
         out.append(r)
         vs = f", {r['changes_s'] / raw:,.0f}x one key per block" if raw else ""
-        rows.append((f"{writers} writer process{'es' if writers > 1 else ''}",
+        rows.append((f"{writers} writer process{'es' if writers > 1 else ''}"
+                     f"{', random evictions' if scatter else ''}",
                      f"{r['changes_s']:,.0f} changes/s ({r['changes_per_op']:.0f} per etcd op, "
                      f"{r['etcd_ops_s']:,.0f} ops/s{vs}); lag p50 {r['lag_p50_ms']:.1f} / p99 "
                      f"{r['lag_p99_ms']:.1f} ms; db {r['db_mb']:.0f} MB"))
