@@ -198,7 +198,11 @@ async def test_unhealthy_within_3s_lease_revoked_after_the_grace_and_back_when_i
             async def gone() -> bool:
                 return await read() is None
             assert await until(gone, 4.0) <= 4.0  # the grace (1.5 s), then the lease revoked
-            assert sc.state == "waiting"
+
+            async def waiting() -> bool:
+                # The record goes with the revoke, a moment before the sidecar's state moves.
+                return sc.state == "waiting"
+            await until(waiting, 2.0)
             engine.health_status = 200
 
             async def back() -> bool:
