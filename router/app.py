@@ -54,8 +54,6 @@ class RouterApp:
         self.metrics_server: HttpServer | None = None
         """The separate ``/metrics`` listener, with ``--prometheus-port``."""
         self.metrics_port: int | None = None
-        self.shared_predictions: PeerPredictions | None = None
-        """The other routers' predictions, followed (kv_aware with etcd)."""
         self._stack = contextlib.AsyncExitStack()
         self.admission = Admission(config.max_concurrent_requests, config.queue_size,
                                    config.queue_timeout)
@@ -216,7 +214,6 @@ class RouterApp:
         stack.push_async_callback(peers.close)
         peers.start()
         policy.share = publisher.offer
-        self.shared_predictions = peers
 
     @contextlib.asynccontextmanager
     async def _health_ctx(self) -> AsyncIterator[None]:

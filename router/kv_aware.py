@@ -91,7 +91,8 @@ class Score(NamedTuple):
     indexed: int
     """Of ``matched``, the blocks the index shows."""
     predicted: int
-    """Leading blocks the router's own prediction counts as held there (index aside)."""
+    """Leading blocks the predictions (this router's or another's) count as held there (index
+    aside)."""
     tiers: TierMatch | None
     """The index's match there by cache tier (None: no index match)."""
     credited: float

@@ -30,7 +30,6 @@ import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from index.etcd import EtcdClient, KeyValue, WatchEvent
 from index.follow import PrefixFollower
@@ -211,9 +210,3 @@ class PeerPredictions(PrefixFollower):
         for instance, model, hashes in items:
             self.on_peer(instance, model, hashes)
         self.stats.received += len(items)
-
-    def share_stats(self) -> dict[str, Any]:
-        st = self.stats
-        return {"state": "synced" if self.connected else "degraded",
-                "flushes": st.flushes, "shared": st.shared, "bytes": st.bytes,
-                "received": st.received, "stale": st.stale, "refused": dict(self.refused)}
