@@ -41,6 +41,8 @@ from index.lease import LeaseSession, cancel_and_wait
 from index.lifecycle import undo_on_failure
 from index.owned import LeasedKeys
 from index.record import ENGINE_UNKNOWN, ROLES, InstanceRecord
+from index.shard_session import BlockSession
+from index.shards import IndexShards
 from index.writer import BlockWriter, BlockWriterConfig
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,8 @@ class AgentConfig:
     """Seconds between checks that the instance record exists (and who owns it)."""
     writer: BlockWriterConfig = field(default_factory=BlockWriterConfig)
     """How block changes are coalesced into etcd transactions."""
+    index_etcd: IndexShards = field(default_factory=IndexShards)
+    """The etcd clusters the block index is spread over (``--index-etcd``); none: ``etcd``."""
 
     def __post_init__(self) -> None:
         validate_instance_id(self.instance_id)
@@ -131,7 +135,8 @@ class AgentConfig:
                    events=SubscriberConfig.from_cli_args(args), etcd=etcd,
                    etcd_prefix=getattr(args, "etcd_prefix", DEFAULT_PREFIX), role=args.role,
                    block_size=args.block_size, lease_ttl=args.lease_ttl,
-                   stats_interval=args.stats_interval)
+                   stats_interval=args.stats_interval,
+                   index_etcd=IndexShards.from_cli_args(args, etcd))
 
 
 class WriterIndex(BlockIndex):
@@ -278,7 +283,8 @@ class IndexAgent:
         layout = config.layout
         self.client = EtcdClient(config.etcd)
         self.session = LeaseSession(self.client, config.lease_ttl)
-        self.writer = BlockWriter(self.session, layout, config.model, config.instance_id,
+        self.blocks = BlockSession(self.session, config.index_etcd, config.instance_id)
+        self.writer = BlockWriter(self.blocks.session, layout, config.model, config.instance_id,
                                   config.writer)
         self.ingestor = InstanceIngestor(WriterIndex(self.writer), config.instance_id,
                                          block_size=config.block_size,
@@ -315,13 +321,16 @@ class IndexAgent:
             self._tasks = []
             undo.push_async_callback(self._stop_tasks)
             self._tasks.append(asyncio.create_task(self.session.run(), name="agent-lease"))
+            undo.push_async_callback(self.blocks.close)
+            self.blocks.start()
             undo.push_async_callback(self.writer.close)
             self._tasks.append(self.writer.start())
             self._tasks.append(asyncio.create_task(self.record.run(), name="agent-record"))
             self._tasks.append(asyncio.create_task(self.publisher.run(), name="agent-stats"))
-        logger.info("index agent %s (%s) started: KV events %s %s, etcd %s", cfg.instance_id,
-                    cfg.model, "bound at" if cfg.events.binds else "from", cfg.events.endpoint,
-                    cfg.etcd.display)
+        logger.info("index agent %s (%s) started: KV events %s %s, etcd %s, blocks on index "
+                    "shard %d (%s)", cfg.instance_id, cfg.model,
+                    "bound at" if cfg.events.binds else "from", cfg.events.endpoint,
+                    cfg.etcd.display, self.blocks.shard, self.blocks.endpoint)
 
     async def _stop_tasks(self) -> None:
         await cancel_and_wait(*self._tasks)
@@ -331,6 +340,7 @@ class IndexAgent:
         """Stop; with ``revoke`` every key of the instance is deleted now (clean shutdown)."""
         await self.subscriber.close()
         await self.writer.close()
+        await self.blocks.close(revoke)
         await self._stop_tasks()
         if revoke:
             await self.session.revoke()

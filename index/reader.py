@@ -43,6 +43,25 @@ class IndexStatus:
     last_error: str | None = None
 
 
+@dataclass(frozen=True)
+class ShardStatus:
+    """One shard of a block index spread over several etcd clusters (``index.sharded``)."""
+
+    shard: int
+    endpoint: str
+    """The shard's etcd endpoints, as given (``HOST:PORT[,HOST:PORT...]``)."""
+    status: IndexStatus
+    instances: int
+    """Instances holding blocks on this shard."""
+
+    @property
+    def state(self) -> str:
+        """``loading`` (never loaded), ``stale`` (its last known state: etcd unreachable) or
+        ``live``."""
+        st = self.status
+        return "live" if st.connected else ("stale" if st.ready else "loading")
+
+
 class IndexReader(ABC):
     """Read side of the block index. Not thread-safe: read it on the loop that updates it."""
 
@@ -90,3 +109,8 @@ class IndexReader(ABC):
     @abstractmethod
     def status(self) -> IndexStatus:
         """Ready, connected, block count and (etcd-backed) revision figures."""
+
+    def shards(self) -> list[ShardStatus]:
+        """Per shard, its status, when the index is spread over several etcd clusters; empty
+        when it is not (``status()`` says it all)."""
+        return []

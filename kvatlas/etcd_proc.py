@@ -182,11 +182,13 @@ class EtcdCluster:
             raise ValueError(f"etcd cluster size must be 1, 3 or 5, got {size}")
         self._tmp = None if base_dir else tempfile.TemporaryDirectory(prefix="kvatlas-etcd-")
         base = Path(base_dir or self._tmp.name)  # type: ignore[union-attr]
-        token = f"kvatlas-{os.getpid()}-{free_port(host)}"
+        # Picked together: separate picks may return one port twice.
+        ports = free_ports(2 * size + 1, host)
+        token = f"kvatlas-{os.getpid()}-{ports[-1]}"
         self.members = [
             EtcdMember(
-                name=f"etcd{i}", data_dir=base / f"etcd{i}.etcd", client_port=free_port(host),
-                peer_port=free_port(host), host=host, cluster_token=token,
+                name=f"etcd{i}", data_dir=base / f"etcd{i}.etcd", client_port=ports[2 * i],
+                peer_port=ports[2 * i + 1], host=host, cluster_token=token,
                 log_path=(log_dir / f"etcd{i}.log") if log_dir else None,
             )
             for i in range(size)

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from index.etcd import EtcdSettings
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_instance_id, validate_model
+from index.shards import IndexShards
 from index.tiers import TierWeights
 from router.engine_load import check_thresholds
 from router.kv_flags import add_kv_aware_args, kv_aware_kwargs
@@ -103,6 +104,9 @@ class RouterConfig:
     """etcd to discover workers and follow the block index from; None: static workers only."""
     etcd_prefix: str = DEFAULT_PREFIX
     """Key prefix of the kvatlas keys in etcd."""
+    index_etcd: IndexShards = field(default_factory=IndexShards)
+    """The etcd clusters the block index is spread over (``--index-etcd``), each followed by a
+    mirror of its own; none: the block index is followed in ``etcd``."""
     model: str | None = None
     """Served model name: only instances of this model join the pools, and its block index is
     followed. None: every model (the request's ``model`` picks the hash namespace). An alias
@@ -254,6 +258,8 @@ class RouterConfig:
             raise ValueError(f"prometheus port must be within [0, {MAX_PORT}], got "
                              f"{self.prometheus_port}")
         KeyLayout(prefix=self.etcd_prefix)
+        if self.index_etcd.sharded and self.etcd is None:
+            raise ValueError("--index-etcd needs --etcd (workers are discovered there)")
         if self.model is not None:
             self.model = canonical_model(self.model)
             validate_model(self.model)
@@ -433,6 +439,7 @@ class RouterConfig:
             prefill.append((item[0], item[1] if len(item) == 2 else None))
         return cls(
             host=args.host, port=args.port, etcd=etcd,
+            index_etcd=IndexShards.from_cli_args(args, etcd or EtcdSettings()),
             etcd_prefix=getattr(args, "etcd_prefix", DEFAULT_PREFIX), model=args.model,
             tokenizers=parse_tokenizer_flags(getattr(args, "tokenizer", None) or []),
             policy=args.policy, prefill_policy=args.prefill_policy,

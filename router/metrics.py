@@ -12,12 +12,15 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from index.reader import ShardStatus
 from router.breaker import STATE_CODES
 from router.engine_load import fresh
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                    60, 300)
 REGRET_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+SHARD_STATES = {"live": 0, "stale": 1, "loading": 2}
+"""``kvatlas_router_index_shard_state``'s values."""
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
 
 
@@ -209,6 +212,18 @@ class RouterMetrics:
         self.index_revision_lag = Gauge("kvatlas_router_index_revision_lag",
                                         "Revisions between etcd's head and the mirror",
                                         registry=r)
+        self.index_shard_state = Gauge(
+            "kvatlas_router_index_shard_state",
+            "Per shard of a block index spread over several etcd clusters (--index-etcd): "
+            "0 live, 1 stale (routing on its last known blocks: its etcd is unreachable), "
+            "2 loading (never loaded: its instances match nothing)", ["shard", "endpoint"],
+            registry=r)
+        self.index_shard_blocks = Gauge("kvatlas_router_index_shard_blocks",
+                                        "Blocks in the mirror of each index shard",
+                                        ["shard", "endpoint"], registry=r)
+        self.index_shard_instances = Gauge("kvatlas_router_index_shard_instances",
+                                           "Instances holding blocks on each index shard",
+                                           ["shard", "endpoint"], registry=r)
         self.shared_predictions = Counter(
             "kvatlas_router_shared_predictions",
             "Routing predictions shared between routers through etcd (sent: this router's; "
@@ -294,6 +309,13 @@ class RouterMetrics:
                 busy[w.role] = busy.get(w.role, 0) + 1
         for role, n in busy.items():
             self.busy_workers.labels(role).set(n)
+
+    def set_index_shards(self, shards: list[ShardStatus]) -> None:
+        for sh in shards:
+            labels = (str(sh.shard), sh.endpoint)
+            self.index_shard_state.labels(*labels).set(SHARD_STATES[sh.state])
+            self.index_shard_blocks.labels(*labels).set(sh.status.blocks)
+            self.index_shard_instances.labels(*labels).set(sh.instances)
 
     def set_breakers(self, workers: list) -> None:
         self.breaker_state.clear()

@@ -170,11 +170,22 @@ class RouterState:
         # Discovery follows the same etcd: when it is degraded, the mirror is not updating either.
         # A mirror that lost its watch or quorum serves its last state: routing goes on, flagged.
         stale = disc.get("state") == "degraded" or (st.ready and not st.connected)
-        return {"state": ("stale" if stale else "live") if st.ready else "loading",
-                "connected": st.connected, "blocks": st.blocks,
-                "revision": st.revision, "revision_lag": st.revision_lag,
-                "disconnects": st.disconnects, "last_error": st.last_error,
-                "discovery": disc}
+        detail: dict[str, Any] = {
+            "state": ("stale" if stale else "live") if st.ready else "loading",
+            "connected": st.connected, "blocks": st.blocks,
+            "revision": st.revision, "revision_lag": st.revision_lag,
+            "disconnects": st.disconnects, "last_error": st.last_error,
+            "discovery": disc}
+        shards = index.shards()
+        if shards:
+            # Spread over several etcd clusters: which shard is behind says whose blocks are.
+            detail["shards"] = [{
+                "shard": sh.shard, "endpoint": sh.endpoint, "state": sh.state,
+                "instances": sh.instances, "blocks": sh.status.blocks,
+                "revision": sh.status.revision, "revision_lag": sh.status.revision_lag,
+                "last_error": sh.status.last_error} for sh in shards]
+            detail["stale_shards"] = [sh.shard for sh in shards if sh.state != "live"]
+        return detail
 
     def check_model(self, model: str | None) -> None:
         if model is None:
@@ -246,6 +257,7 @@ class RouterState:
             m.index_blocks.set(st.blocks)
             m.index_revision_lag.set(st.revision_lag)
             m.index_stale.set(1 if self.index_detail().get("state") == "stale" else 0)
+            m.set_index_shards(index.shards())
         if self.shared is not None:
             m.add_shared(self.shared.since(self._shared_counted))
             self._shared_counted = dataclasses.replace(self.shared)

@@ -12,6 +12,7 @@ from index.events.subscriber import SubscriberConfig
 from index.hashing import DEFAULT_BLOCK_SIZE
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_instance_id, validate_model
 from index.record import DECODE, PREFILL
+from index.shards import IndexShards
 
 ROLES = (PREFILL, DECODE)
 
@@ -61,6 +62,8 @@ class SidecarConfig:
     """The etcd cluster holding the instance records and the index."""
     etcd_prefix: str = DEFAULT_PREFIX
     """Key prefix of every key written."""
+    index_etcd: IndexShards = field(default_factory=IndexShards)
+    """The etcd clusters the block index is spread over (``--index-etcd``); none: ``etcd``."""
     lease_ttl: int = 10
     """Seconds the instance's keys outlive the sidecar."""
     health_interval: float = 0.5
@@ -202,4 +205,5 @@ class SidecarConfig:
                    lease_ttl=args.lease_ttl, health_interval=args.health_interval,
                    health_timeout=args.health_timeout, unhealthy_after=args.unhealthy_after,
                    unhealthy_grace=args.unhealthy_grace, bootstrap_poll=args.bootstrap_poll,
-                   publisher_wait=args.publisher_wait)
+                   publisher_wait=args.publisher_wait,
+                   index_etcd=IndexShards.from_cli_args(args, etcd))

@@ -33,6 +33,7 @@ from index.events.subscriber import KVEventSubscriber
 from index.lease import Backoff, LeaseSession, cancel_and_wait
 from index.lifecycle import undo_on_failure
 from index.owned import LeasedKeys
+from index.shard_session import open_block_session
 from index.writer import BlockWriter
 from sidecar.config import SidecarConfig, http_base
 from sidecar.errors import SidecarError
@@ -110,7 +111,8 @@ class Attachment:
                 await self.ranks.poll()  # BadResponse: not SGLang's topology document
             self.publish()
             if cfg.events is not None:
-                self.writer = BlockWriter(self.session, cfg.layout, cfg.model, cfg.instance_id)
+                blocks = open_block_session(stack, self.session, cfg.index_etcd, cfg.instance_id)
+                self.writer = BlockWriter(blocks.session, cfg.layout, cfg.model, cfg.instance_id)
                 stack.push_async_callback(self.writer.close)
                 union = DPUnion(WriterIndex(self.writer))
                 try:

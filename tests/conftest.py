@@ -80,3 +80,15 @@ def etcd_cluster3() -> Iterator[EtcdCluster]:
         pytest.fail(f"etcd is required for the test suite: {exc}")
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def etcd_shard() -> Iterator[EtcdCluster]:
+    """A second etcd cluster (one member, its own process) to spread a block index over, with
+    the session's etcd as the first shard; a test may kill and restart it."""
+    try:
+        cluster = EtcdCluster(1).start()
+    except EtcdBinaryNotFound as exc:
+        pytest.fail(f"etcd is required for the test suite: {exc}")
+    yield cluster
+    cluster.stop()

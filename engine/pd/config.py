@@ -13,6 +13,7 @@ from bootstrap.config import AUTH_TOKEN_ENV, DEFAULT_PORT
 from engine.serve_config import EngineServerConfig
 from index.etcd import EtcdSettings
 from index.keys import DEFAULT_PREFIX, validate_instance_id
+from index.shards import IndexShards
 from transfer import BACKENDS, TransferConfig
 from transfer.layout import DTYPES
 
@@ -49,6 +50,8 @@ class PDConfig:
     """Register the instance (and, on a prefill, its prefix-cache blocks) in etcd."""
     etcd_prefix: str = DEFAULT_PREFIX
     """etcd key prefix."""
+    index_etcd: IndexShards = field(default_factory=IndexShards)
+    """The etcd clusters the block index is spread over (``--index-etcd``); none: ``etcd``."""
     lease_ttl: int = 10
     """TTL of the instance lease."""
     nnodes: int = 1
@@ -75,6 +78,8 @@ class PDConfig:
             raise ValueError(f"PDConfig is for --mode prefill or decode, not {self.engine.mode!r}")
         if self.tp < 1 or self.dp < 1 or self.nnodes < 1:
             raise ValueError("--tp, --dp and --nnodes must be >= 1")
+        if self.index_etcd.sharded and self.etcd is None:
+            raise ValueError("--index-etcd needs --etcd (the instance records live there)")
         if self.engine.mode == "decode" and self.dp != 1:
             raise ValueError("--dp applies to prefill instances; run more decode instances "
                              "instead")
@@ -176,4 +181,5 @@ class PDConfig:
                    etcd_prefix=args.etcd_prefix, lease_ttl=args.lease_ttl, nnodes=args.nnodes,
                    node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
                    auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
-                   advertise_host=args.advertise_host)
+                   advertise_host=args.advertise_host,
+                   index_etcd=IndexShards.from_cli_args(args, etcd or EtcdSettings()))

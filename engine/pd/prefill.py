@@ -47,6 +47,7 @@ from index.events.ingest import InstanceIngestor
 from index.events.publisher import KVEventPublisher, PublisherConfig
 from index.events.subscriber import SubscriberConfig
 from index.keys import KeyLayout
+from index.shard_session import open_block_session
 from index.writer import BlockWriter
 from transfer import KVSender, TensorPageSource, TransferError, create_sender
 
@@ -352,7 +353,8 @@ async def start_bootstrap(cfg: PDConfig, ranks: RankContext, bport: int,
     mirror = bapp[BOOTSTRAP_STATE].mirror
     if mirror is None:
         return None, None
-    writer = BlockWriter(mirror.session, KeyLayout(prefix=cfg.etcd_prefix),
+    blocks = open_block_session(stack, mirror.session, cfg.index_etcd, bcfg.instance_id)
+    writer = BlockWriter(blocks.session, KeyLayout(prefix=cfg.etcd_prefix),
                          cfg.engine.model_name, bcfg.instance_id)
     writer.start()
     stack.push_async_callback(writer.close)

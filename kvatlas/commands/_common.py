@@ -8,6 +8,7 @@ import signal
 
 from index.etcd import EtcdSettings
 from index.keys import DEFAULT_PREFIX, KeyLayout
+from index.shards import IndexShards
 
 ETCD_PASSWORD_ENV = "KVATLAS_ETCD_PASSWORD"
 """Where ``--etcd-password`` is read from when not given (with ``--etcd-user``)."""
@@ -15,7 +16,8 @@ ETCD_PASSWORD_ENV = "KVATLAS_ETCD_PASSWORD"
 DEFAULT_ETCD = "127.0.0.1:2379"
 
 
-def add_etcd_args(parser: argparse.ArgumentParser) -> None:
+def add_etcd_args(parser: argparse.ArgumentParser, index: bool = False) -> None:
+    """The etcd flags; ``index``: also ``--index-etcd`` (commands that write or read blocks)."""
     g = parser.add_argument_group("etcd")
     g.add_argument("--etcd", default=None, metavar="HOST:PORT[,HOST:PORT]",
                    help=f"etcd endpoints (default {DEFAULT_ETCD})")
@@ -28,6 +30,8 @@ def add_etcd_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--etcd-ca", default=None, help="CA certificate (PEM); turns TLS on")
     g.add_argument("--etcd-cert", default=None, help="client certificate (PEM) for mutual TLS")
     g.add_argument("--etcd-key", default=None, help="client key (PEM) for mutual TLS")
+    if index:
+        IndexShards.add_cli_args(g)
 
 
 def etcd_password(args: argparse.Namespace) -> str | None:

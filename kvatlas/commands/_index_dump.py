@@ -8,12 +8,11 @@ import json
 import time
 from typing import Any
 
-from index.etcd import EtcdClient
 from index.keys import validate_instance_id, validate_model
 from index.segments import MalformedSegment, decode
 from kvatlas.cli import CLIError
 from kvatlas.commands._common import key_layout
-from kvatlas.commands._run_dir import cluster_etcd_settings
+from kvatlas.commands._run_dir import block_snapshots
 
 
 def add_dump_parser(sub: Any) -> argparse.ArgumentParser:
@@ -31,9 +30,9 @@ def add_dump_parser(sub: Any) -> argparse.ArgumentParser:
 
 async def fetch_segments(args: argparse.Namespace) -> list[dict[str, Any]]:
     layout = key_layout(args)
-    async with EtcdClient(cluster_etcd_settings(args)) as client:
-        _, kvs = await client.get_prefix(layout.blocks_prefix(args.model, args.instance)
-                                         if args.model else layout.blocks_prefix())
+    prefix = (layout.blocks_prefix(args.model, args.instance) if args.model
+              else layout.blocks_prefix())
+    kvs = [kv for _, _, shard in await block_snapshots(args, prefix) for kv in shard]
     out: list[dict[str, Any]] = []
     for kv in kvs:
         try:

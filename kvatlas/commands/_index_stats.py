@@ -20,18 +20,19 @@ import contextlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from index.agent_stats import parse_stats_key, stats_prefix
-from index.etcd import EtcdClient
+from index.etcd import EtcdClient, EtcdSettings, EtcdStatus, KeyValue
 from index.keys import KeyLayout, loads
 from index.mirror import write_time
 from index.segments import decode
 from kvatlas.commands._common import key_layout
-from kvatlas.commands._run_dir import cluster_etcd_settings
+from kvatlas.commands._run_dir import cluster_etcd_settings, index_shard_settings
 
 
 def add_stats_parser(sub: Any) -> argparse.ArgumentParser:
@@ -85,9 +86,16 @@ async def gather_stats(args: argparse.Namespace) -> dict[str, Any]:
     layout = key_layout(args)
     async with EtcdClient(cluster_etcd_settings(args)) as client:
         status = await client.status()  # first: fails fast when etcd is away
-        revision, segments = await client.get_prefix(layout.blocks_prefix())
         _, stat_kvs = await client.get_prefix(stats_prefix(layout))
-        lags = await _sample_lag(client, layout, revision, args.sample)
+        main = client.settings
+        shards = await asyncio.gather(*(
+            _shard_stats(args, layout, s, client if s == main else None)
+            for s in index_shard_settings(args)))
+    segments = [kv for sh in shards for kv in sh.segments]
+    lags: dict[str, list[float]] = {}
+    for sh in shards:
+        for instance, samples in sh.lags.items():
+            lags.setdefault(instance, []).extend(samples)
     blocks: dict[tuple[str, str], int] = {}
     for kv in segments:
         try:
@@ -137,13 +145,51 @@ async def gather_stats(args: argparse.Namespace) -> dict[str, Any]:
                              "p99": round(_pct(samples, 99), 6)} if samples else None,
         })
         out.append(row)
-    return {
+    result: dict[str, Any] = {
         "instances": out,
-        "etcd": {"endpoint": client.endpoint, "version": status.version,
-                 "db_size": status.db_size, "db_size_in_use": status.db_size_in_use,
-                 "revision": status.revision},
+        "etcd": _etcd_doc(client.endpoint, status),
         "sample_s": args.sample,
     }
+    if len(shards) > 1 or shards[0].endpoint != client.endpoint:
+        result["index_shards"] = [
+            {**_etcd_doc(sh.endpoint, sh.status),
+             "instances": len({parse_instance(layout, kv.key) for kv in sh.segments} - {None}),
+             "segments": len(sh.segments)} for sh in shards]
+    return result
+
+
+def _etcd_doc(endpoint: str, status: EtcdStatus) -> dict[str, Any]:
+    return {"endpoint": endpoint, "version": status.version, "db_size": status.db_size,
+            "db_size_in_use": status.db_size_in_use, "revision": status.revision}
+
+
+def parse_instance(layout: KeyLayout, key: bytes) -> str | None:
+    try:
+        return layout.parse_segment(key)[1]
+    except ValueError:
+        return None
+
+
+@dataclass
+class ShardStats:
+    """What ``index stats`` read of one index shard."""
+
+    endpoint: str
+    status: EtcdStatus
+    segments: list[KeyValue]
+    lags: dict[str, list[float]]
+
+
+async def _shard_stats(args: argparse.Namespace, layout: KeyLayout, settings: EtcdSettings,
+                       main: EtcdClient | None) -> ShardStats:
+    """One shard's segments and sampled lags (``main``: the shard is the main etcd, read with
+    its client)."""
+    async with contextlib.AsyncExitStack() as stack:
+        client = main or await stack.enter_async_context(EtcdClient(settings))
+        status = await client.status()
+        revision, segments = await client.get_prefix(layout.blocks_prefix())
+        lags = await _sample_lag(client, layout, revision, args.sample)
+    return ShardStats(client.endpoint, status, segments, lags)
 
 
 def _fmt(v: Any) -> str:
@@ -190,4 +236,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     e = result["etcd"]
     out.print(f"etcd {e['endpoint']} (v{e['version']}): db size {_size(e['db_size'])} "
               f"({_size(e['db_size_in_use'])} in use), revision {e['revision']}")
+    for i, e in enumerate(result.get("index_shards", [])):
+        out.print(f"index shard {i}: etcd {e['endpoint']} (v{e['version']}): "
+                  f"{e['instances']} instance(s), {e['segments']} segments, db size "
+                  f"{_size(e['db_size'])} ({_size(e['db_size_in_use'])} in use), "
+                  f"revision {e['revision']}")
     return 0

@@ -7,19 +7,23 @@ default ``127.0.0.1:2379`` applies.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from pathlib import Path
 
-from index.etcd import EtcdSettings
+from index.etcd import EtcdClient, EtcdSettings, KeyValue
+from index.shards import IndexShards
 from kvatlas.cli import CLIError
 from kvatlas.commands._common import DEFAULT_ETCD, add_etcd_args, etcd_settings
 
 DEFAULT_RUN_DIR = ".kvatlas/run"
 
 
-def add_cluster_etcd_args(parser: argparse.ArgumentParser, timeout: float | None = None) -> None:
-    """The etcd flags plus ``--run-dir``; ``timeout`` overrides the per-call default."""
-    add_etcd_args(parser)
+def add_cluster_etcd_args(parser: argparse.ArgumentParser, timeout: float | None = None,
+                          index: bool = False) -> None:
+    """The etcd flags plus ``--run-dir``; ``timeout`` overrides the per-call default;
+    ``index``: also ``--index-etcd``."""
+    add_etcd_args(parser, index)
     parser.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
                         help="local cluster run directory: without --etcd, the etcd of "
                              f"<run-dir>/cluster.json is used when it exists (default "
@@ -52,3 +56,21 @@ def resolve_etcd(args: argparse.Namespace) -> str:
 def cluster_etcd_settings(args: argparse.Namespace) -> EtcdSettings:
     args.etcd = resolve_etcd(args)
     return etcd_settings(args)
+
+
+def index_shard_settings(args: argparse.Namespace) -> list[EtcdSettings]:
+    """The etcds holding the block index: every ``--index-etcd`` cluster, else the main one."""
+    main = cluster_etcd_settings(args)
+    return IndexShards.from_cli_args(args, main).shard_settings(main)
+
+
+async def block_snapshots(args: argparse.Namespace, prefix: bytes
+                          ) -> list[tuple[EtcdSettings, int, list[KeyValue]]]:
+    """Per index shard: its settings, revision and the keys under ``prefix`` (block segments),
+    read from every shard at once."""
+    async def one(settings: EtcdSettings) -> tuple[EtcdSettings, int, list[KeyValue]]:
+        async with EtcdClient(settings) as client:
+            revision, kvs = await client.get_prefix(prefix)
+        return settings, revision, kvs
+
+    return list(await asyncio.gather(*(one(s) for s in index_shard_settings(args))))

@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                                        "HTTP): monolithic, or one half of a PD pair.")
     EngineServerConfig.add_cli_args(serve)
     PDConfig.add_cli_args(serve)
-    add_etcd_args(serve)
+    add_etcd_args(serve, index=True)
     serve.set_defaults(func=cmd_serve)
 
 

@@ -36,7 +36,7 @@ from kvatlas.commands._prompt import (
     parse_records,
     tokenizer_source,
 )
-from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_etcd_settings
+from kvatlas.commands._run_dir import add_cluster_etcd_args, block_snapshots, cluster_etcd_settings
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def register(subparsers: Any) -> None:
                     "concrete host the engine connects and the agent binds (vLLM's rule); pass "
                     "--kv-events-connect to reach an engine that binds '*'.")
     AgentConfig.add_cli_args(agent)
-    add_cluster_etcd_args(agent)
+    add_cluster_etcd_args(agent, index=True)
     agent.set_defaults(func=cmd_agent)
 
     query = sub.add_parser(
@@ -86,13 +86,13 @@ def register(subparsers: Any) -> None:
     query.add_argument("--lora", default=None, help="LoRA name (changes the hash namespace)")
     query.add_argument("--cache-salt", default=None, help="cache salt (changes the hash namespace)")
     query.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    add_cluster_etcd_args(query, CLI_ETCD_TIMEOUT)
+    add_cluster_etcd_args(query, CLI_ETCD_TIMEOUT, index=True)
     query.set_defaults(func=cmd_query)
 
     stats = add_stats_parser(sub)
-    add_cluster_etcd_args(stats, CLI_ETCD_TIMEOUT)
+    add_cluster_etcd_args(stats, CLI_ETCD_TIMEOUT, index=True)
     dump = add_dump_parser(sub)
-    add_cluster_etcd_args(dump, CLI_ETCD_TIMEOUT)
+    add_cluster_etcd_args(dump, CLI_ETCD_TIMEOUT, index=True)
 
 
 def console() -> Console:
@@ -186,11 +186,12 @@ async def fetch_index(args: argparse.Namespace, model: str,
     asked, the instance records (which name each instance's tokenizer), in one etcd session."""
     layout = key_layout(args)
     records: list[InstanceRecord] = []
-    async with EtcdClient(cluster_etcd_settings(args)) as client:
-        _, kvs = await client.get_prefix(layout.blocks_prefix(model))
-        if with_records:
+    kvs = [kv for _, _, shard in await block_snapshots(args, layout.blocks_prefix(model))
+           for kv in shard]
+    if with_records:
+        async with EtcdClient(cluster_etcd_settings(args)) as client:
             _, inst = await client.get_prefix(layout.instances_prefix())
-            records = parse_records(inst, layout.parse_instance)
+        records = parse_records(inst, layout.parse_instance)
     table = BlockTable()
     for kv in kvs:
         try:

@@ -14,7 +14,7 @@ def register(subparsers: Any) -> None:
     sub = parser.add_subparsers(dest="router_command", metavar="ACTION", required=True)
     serve = sub.add_parser("serve", help="serve the router")
     RouterConfig.add_cli_args(serve)
-    add_etcd_args(serve)
+    add_etcd_args(serve, index=True)
     serve.set_defaults(func=cmd_serve)
 
 

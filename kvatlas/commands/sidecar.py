@@ -21,7 +21,7 @@ def register(subparsers: Any) -> None:
                     "etcd, indexes its KV events (every attention-DP rank), and health-checks "
                     "it: unhealthy in the record within seconds, lease revoked after "
                     "--unhealthy-grace. Waits for an engine that is not up yet.")
-    add_cluster_etcd_args(p)
+    add_cluster_etcd_args(p, index=True)
     SidecarConfig.add_cli_args(p)
     p.set_defaults(func=cmd_sidecar)
 

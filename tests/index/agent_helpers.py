@@ -72,3 +72,13 @@ async def run_cli(*args: str, timeout: float = 30.0, stdin: bytes | None = None,
         await proc.wait()
         raise
     return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def wait_until(cond: Callable[[], object], timeout: float = 10.0,
+                     what: str = "condition") -> None:
+    """Poll ``cond`` every 20 ms until it is true; AssertionError naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)

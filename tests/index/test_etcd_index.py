@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
+from agent_helpers import wait_until
 from block_index_contract import BlockIndexContract
 
 from index.etcd import Delete, EtcdClient, EtcdSettings, Put
@@ -143,14 +143,6 @@ async def session_for(client: EtcdClient, ttl: int = 10) -> AsyncIterator[LeaseS
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-async def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 # --- writer ---------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Sequence
+
+from agent_helpers import wait_until
 
 from index.errors import EtcdRequestError
 from index.etcd import Delete, EtcdClient, EtcdSettings, Put, WatchBatch, WatchEvent
@@ -30,14 +31,6 @@ def put(layout: KeyLayout, model: str, inst: str, h: int, lease: int = 0,
         medium: str = "GPU") -> Put:
     """A writer's put of that one-block segment."""
     return Put(key(layout, model, inst, h), encode(1.0, None, [h], [medium]), lease)
-
-
-async def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def test_foreign_keys_are_counted_and_skipped(etcd: EtcdClient, layout: KeyLayout) -> None:
