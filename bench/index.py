@@ -14,7 +14,10 @@ Parts, each with the limit it is compared with, measured in the same run:
 3. Scale: block changes/s through one etcd with 1, 2 and 4 writer processes churning at once
    (``bench/_index_scale.py``), the write-to-watch lag a separate process sees meanwhile, and the
    db size; against the one-key-per-block limit (raw puts, part 1) of the same etcd.
-4. Lookup: p50/p99 and lookups/s for prompts of 64/256/1024 blocks with 8/64/256 instances and
+4. Shards: the block changes/s 1, 2 and 4 etcds (``--index-etcd`` shards) sustain with the
+   mirror lag p99 within 250 ms, each etcd capped at ``--etcd-cpu`` cores (a cgroup quota) so
+   that etcd is the limit, as with etcd hosts of their own; and what one etcd CPU second carries.
+5. Lookup: p50/p99 and lookups/s for prompts of 64/256/1024 blocks with 8/64/256 instances and
    1M blocks indexed, measured on ``index.table.BlockTable`` directly: the mirror answers lookups
    with exactly that structure, so the etcd side adds nothing to a lookup. Then memory per indexed
    block (tracemalloc) and how the cost grows with prompt length, instances and blocks indexed.
@@ -315,7 +318,7 @@ def scale_part(args: argparse.Namespace, write: dict[str, Any]) -> list[dict[str
     for writers, scatter in ((1, False), (2, False), (4, False), (1, True), (2, True)):
         cluster = start_etcd([])
         try:
-            r = _index_scale.run(cluster.endpoints, writers, args.scale_rate, args.scale_s,
+            r = _index_scale.run([cluster.endpoints], writers, args.scale_rate, args.scale_s,
                                  args.capacity, scatter=scatter)
         finally:
             cluster.stop()
@@ -334,9 +337,11 @@ def scale_part(args: argparse.Namespace, write: dict[str, Any]) -> list[dict[str
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes, about a minute")
-    p.add_argument("--parts", default="etcd,scale,lookup",
+    p.add_argument("--parts", default="etcd,scale,shards,lookup",
                    help="comma-separated parts to run: etcd (write path, churn), scale (writer "
-                        "processes at once), lookup")
+                        "processes at once), shards (changes/s over 1/2/4 etcds), lookup")
+    p.add_argument("--etcd-cpu", type=float, default=0.1,
+                   help="part shards: cores each etcd is capped at (cgroup v1; needs root)")
     p.add_argument("--periodic-retention", default=None,
                    help="auto-compaction retention of the periodic-mode churn run (default 10s, "
                         "5s with --quick): a time-compressed stand-in for a production 1m")
@@ -366,6 +371,8 @@ def main() -> int:
         results.update(asyncio.run(etcd_parts(args)))
     if "scale" in args.parts:
         results["scale"] = scale_part(args, results.get("write", {}))
+    if "shards" in args.parts:
+        results["shards"] = _index_scale.shards_part(q, args.etcd_cpu, args.capacity, show)
     if "lookup" in args.parts:
         results.update(cpu_parts(args))
     results["wall_s"] = time.time() - t0

@@ -69,7 +69,10 @@ class ShardedIndex(IndexReader):
         return out
 
     def version(self, model: str | None = None) -> Hashable:
-        return tuple((m.ready, m.version(model)) for m in self.mirrors)
+        # A shard not yet loaded has empty tables (version 0) and loading one with blocks gives
+        # it a new table version: the shards' versions together say everything.
+        versions = tuple(m.version(model) for m in self.mirrors)
+        return versions if any(versions) else 0
 
     def models(self) -> frozenset[str]:
         return frozenset().union(*(m.models() for m in self.mirrors))

@@ -84,13 +84,14 @@ def _pct(samples: list[float], q: int) -> float:
 
 async def gather_stats(args: argparse.Namespace) -> dict[str, Any]:
     layout = key_layout(args)
+    shard_settings = index_shard_settings(args)  # before any etcd call: bad flags fail fast
     async with EtcdClient(cluster_etcd_settings(args)) as client:
         status = await client.status()  # first: fails fast when etcd is away
         _, stat_kvs = await client.get_prefix(stats_prefix(layout))
         main = client.settings
         shards = await asyncio.gather(*(
             _shard_stats(args, layout, s, client if s == main else None)
-            for s in index_shard_settings(args)))
+            for s in shard_settings))
     segments = [kv for sh in shards for kv in sh.segments]
     lags: dict[str, list[float]] = {}
     for sh in shards:

@@ -2,18 +2,21 @@
 (real etcd), and what only a mirror of every model does (per-model answers and versions)."""
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
 from reader_contract import MODEL, ReaderContract, chain_of
 
-from index.etcd import Delete, EtcdClient
+from index.etcd import Delete, EtcdClient, EtcdSettings
 from index.etcd_index import EtcdBlockIndex
 from index.keys import KeyLayout
 from index.memory import MemoryBlockIndex
 from index.mirror import BlockMirror, BlockMirrorConfig
 from index.reader import IndexReader
+from index.sharded import ShardedIndex
 from index.writer import BlockWriterConfig
+from kvatlas.etcd_proc import EtcdCluster
 
 FAST_MIRROR = BlockMirrorConfig(progress_every=0.05)
 FAST_WRITER = BlockWriterConfig(flush_interval=0.002)
@@ -49,8 +52,38 @@ class TestMirrorReader(ReaderContract):
         await writer.settle(timeout=10)
 
 
-def test_both_are_readers() -> None:
-    assert issubclass(BlockMirror, IndexReader) and issubclass(MemoryBlockIndex, IndexReader)
+class TestShardedReader(ReaderContract):
+    """Two shards: the writes land on the session's etcd, the second etcd holds nothing; the
+    answers must be the one shard's, unchanged by the other."""
+
+    @pytest.fixture
+    async def make_reader(self, etcd: EtcdClient, layout: KeyLayout,
+                          etcd_shard: EtcdCluster) -> AsyncIterator[object]:
+        made: list[EtcdBlockIndex] = []
+        async with contextlib.AsyncExitStack() as stack:
+            async def make() -> tuple[ShardedIndex, EtcdBlockIndex]:
+                idx = EtcdBlockIndex(etcd, layout, MODEL, mirror_config=FAST_MIRROR,
+                                     writer_config=FAST_WRITER)
+                await idx.start()
+                made.append(idx)
+                other = EtcdClient(EtcdSettings.from_text(etcd_shard.endpoints))
+                stack.push_async_callback(other.close)
+                empty = BlockMirror(other, layout, MODEL, FAST_MIRROR)
+                stack.push_async_callback(empty.close)
+                empty.start()
+                assert await empty.wait_ready(10)
+                return ShardedIndex([idx.mirror, empty]), idx
+
+            yield make
+            for idx in made:
+                await idx.close()
+
+    async def settle(self, writer: EtcdBlockIndex) -> None:  # type: ignore[override]
+        await writer.settle(timeout=10)
+
+
+def test_every_kind_is_a_reader() -> None:
+    assert all(issubclass(c, IndexReader) for c in (BlockMirror, MemoryBlockIndex, ShardedIndex))
 
 
 async def test_a_mirror_not_loaded_is_not_ready(etcd: EtcdClient, layout: KeyLayout) -> None:
