@@ -9,16 +9,18 @@ import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 from pd_helpers import pd_body
 from pd_procs import Proc
 
-from index.etcd import EtcdClient
+from index.etcd import EtcdClient, EtcdSettings
 from index.hashing import BASE_SEED, block_hashes
 from index.keys import KeyLayout
 from index.segments import held_blocks
+from index.shards import IndexShards
 from router.workers import parse_instance_record
 
 pytestmark = pytest.mark.timeout(90)
@@ -192,3 +194,45 @@ async def test_a_clean_stop_with_ranks_is_not_taken_for_a_dead_rank(
         assert await etcd.get(layout.instance("pre-stop")) is None  # revoked, not expiring
     finally:
         prefill.stop()
+
+
+async def test_a_prefill_with_index_shards_writes_its_blocks_to_its_shard(
+        etcd_endpoint: str, key_prefix: str, etcd: EtcdClient, etcd_shard: Any) -> None:
+    layout = KeyLayout(prefix=key_prefix)
+    shards = IndexShards.from_texts([etcd_endpoint, etcd_shard.endpoints], EtcdSettings())
+    iid = next(f"pre-{k}" for k in range(100) if shards.place(f"pre-{k}") == 1)
+    prefill = Proc("prefill", "--etcd", etcd_endpoint, "--etcd-prefix", key_prefix,
+                   "--lease-ttl", "3", "--instance-id", iid,
+                   "--index-etcd", etcd_endpoint, etcd_shard.endpoints)
+    decode = Proc("decode")
+    shard = EtcdClient(shards.clusters[1])
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        ids = [256, *b"a prompt indexed on the second shard, two blocks long"]
+        async with aiohttp.ClientSession() as s:
+            body = pd_body(ids, 3, prefill.bport)
+            pr, dr = await asyncio.gather(s.post(prefill.url + "/generate", json=body),
+                                          s.post(decode.url + "/generate", json=body))
+            assert pr.status == 200 and dr.status == 200
+        want = set(block_hashes(ids, 16, BASE_SEED))
+
+        async def indexed() -> bool:
+            _, kvs = await shard.get_prefix(layout.blocks_prefix("tiny", iid))
+            return set(held_blocks(kv.value for kv in kvs)) >= want
+        await wait_for(indexed)
+        _, on_main = await etcd.get_prefix(layout.blocks_prefix())
+        assert on_main == []
+        record = await etcd.get(layout.instance(iid))
+        _, kvs = await shard.get_prefix(layout.blocks_prefix("tiny", iid))
+        assert record is not None and {kv.lease for kv in kvs} != {record.lease}
+        prefill.kill()  # both leases expire: the blocks leave the shard with the record
+
+        async def gone() -> bool:
+            _, left = await shard.get_prefix(layout.blocks_prefix("tiny", iid))
+            return not left and await etcd.get(layout.instance(iid)) is None
+        await wait_for(gone, 15)
+    finally:
+        await shard.close()
+        prefill.stop()
+        decode.stop()

@@ -27,6 +27,7 @@ from index.hashing import block_hashes
 from index.keys import KeyLayout, loads
 from index.record import InstanceRecord
 from index.segments import held_blocks
+from index.shards import IndexShards
 from kvatlas.etcd_proc import free_port
 from sidecar.config import SidecarConfig
 from sidecar.errors import SidecarError
@@ -324,4 +325,41 @@ async def test_a_bootstrap_server_answering_5xx_is_not_ready_not_fatal(
             assert not task.done() and sc.state == ATTACHED
             assert rec is not None and not rec.ready and rec.registered_ranks == 0
     finally:
+        await engine.stop()
+
+
+async def test_with_index_shards_blocks_go_to_the_instances_shard_under_a_lease_of_their_own(
+        etcd: EtcdClient, etcd_settings: EtcdSettings, key_prefix: str, layout: KeyLayout,
+        etcd_shard: Any) -> None:
+    shards = IndexShards.from_texts([etcd_settings.display, etcd_shard.endpoints],
+                                    etcd_settings)
+    iid = next(f"e{k}" for k in range(100) if shards.place(f"e{k}") == 1)
+    engine = await EngineStub().start()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    cfg = config(etcd_settings, key_prefix, engine.url, role="prefill", instance_id=iid,
+                 events=SubscriberConfig(endpoint=endpoint), index_etcd=shards)
+    pub = KVEventPublisher(PublisherConfig(endpoint=endpoint))
+    await pub.start()
+    shard = EtcdClient(shards.clusters[1])
+    try:
+        async with running(cfg) as (sc, _):
+            await until(record_of(etcd, layout, iid), 5.0)
+            pub.drain([BlockStored([11], None, list(range(16)), 16)])
+
+            async def on_shard() -> list[Any]:
+                _, kvs = await shard.get_prefix(layout.blocks_prefix("tiny", iid))
+                return kvs
+            await until(on_shard, 5.0)
+            kvs = await on_shard()
+            assert set(held_blocks(kv.value for kv in kvs)) == {
+                block_hashes(list(range(16)), 16)[0]}
+            record = await etcd.get(layout.instance(iid))
+            assert record is not None and kvs[0].lease != record.lease
+            _, main = await etcd.get_prefix(layout.blocks_prefix())
+            assert main == []
+        # Closed: both leases revoked, the blocks leave the shard with the record.
+        assert await on_shard() == [] and await record_of(etcd, layout, iid)() is None
+    finally:
+        await shard.close()
+        await pub.close()
         await engine.stop()
