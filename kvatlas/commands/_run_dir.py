@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 from index.etcd import EtcdClient, EtcdSettings, KeyValue
 from index.shards import IndexShards
@@ -32,18 +33,34 @@ def add_cluster_etcd_args(parser: argparse.ArgumentParser, timeout: float | None
         parser.set_defaults(etcd_timeout=timeout)
 
 
+def _cluster_doc(args: argparse.Namespace) -> dict[str, Any]:
+    """``<run-dir>/cluster.json``, or {} when there is none."""
+    path = Path(getattr(args, "run_dir", DEFAULT_RUN_DIR)) / "cluster.json"
+    if not path.is_file():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"cannot read {path}: {exc}; fix it or pass --etcd") from None
+    return doc if isinstance(doc, dict) else {}
+
+
+def _cluster_shards(args: argparse.Namespace) -> list[str] | None:
+    shards = _cluster_doc(args).get("index_etcd")
+    if not shards:
+        return None
+    if not isinstance(shards, list) or not all(isinstance(e, str) and e for e in shards):
+        raise CLIError(f"{getattr(args, 'run_dir', DEFAULT_RUN_DIR)}/cluster.json: 'index_etcd' "
+                       f"must be a list of 'HOST:PORT[,HOST:PORT]', got {shards!r}")
+    return shards
+
+
 def resolve_etcd(args: argparse.Namespace) -> str:
     """``--etcd`` if given, else ``etcd`` of ``<run-dir>/cluster.json`` if present, else default."""
     if args.etcd:
         return str(args.etcd)
     path = Path(getattr(args, "run_dir", DEFAULT_RUN_DIR)) / "cluster.json"
-    if not path.is_file():
-        return DEFAULT_ETCD
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CLIError(f"cannot read {path}: {exc}; fix it or pass --etcd") from None
-    etcd = doc.get("etcd") if isinstance(doc, dict) else None
+    etcd = _cluster_doc(args).get("etcd")
     if etcd is None:
         return DEFAULT_ETCD
     if isinstance(etcd, list) and etcd and all(isinstance(e, str) for e in etcd):
@@ -54,6 +71,10 @@ def resolve_etcd(args: argparse.Namespace) -> str:
 
 
 def cluster_etcd_settings(args: argparse.Namespace) -> EtcdSettings:
+    """The main etcd's settings (``resolve_etcd``). For a command taking ``--index-etcd``
+    given neither that nor ``--etcd``, the local cluster's index shards are taken too."""
+    if hasattr(args, "index_etcd") and not args.etcd and not args.index_etcd:
+        args.index_etcd = _cluster_shards(args)
     args.etcd = resolve_etcd(args)
     return etcd_settings(args)
 

@@ -51,6 +51,9 @@ def register(subparsers: Any) -> None:
     up.add_argument("--decode-tp", type=int, default=1, help="TP ranks per decode instance")
     up.add_argument("--etcd-members", type=int, default=1, choices=(1, 3),
                     help="embedded etcd members (default 1)")
+    up.add_argument("--index-shards", type=int, default=0,
+                    help="embedded etcds to spread the block index over (--index-etcd of the "
+                         "prefills and the router); default 0: the blocks live in the main etcd")
     up.add_argument("--model", default=DEFAULT_MODEL,
                     help=f"what the engines serve (default {DEFAULT_MODEL}, a real instruct "
                          "model; tiny: the seeded byte-tokenizer model tests use)")
@@ -91,7 +94,8 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
     return Topology(prefill=args.prefill, decode=args.decode, prefill_tp=args.prefill_tp,
                     prefill_dp=args.prefill_dp, decode_tp=args.decode_tp, model=args.model,
                     etcd_members=args.etcd_members, external_etcd=external,
-                    etcd_client=client, lease_ttl=args.lease_ttl, engine_mode=args.engine_mode)
+                    etcd_client=client, lease_ttl=args.lease_ttl, engine_mode=args.engine_mode,
+                    index_shards=args.index_shards)
 
 
 def _refuse_running(run_dir: Path) -> None:
@@ -194,7 +198,9 @@ def print_endpoints(state: ClusterState, elapsed: float) -> None:
         extra = "".join(f"  {k} :{v}" for k, v in p.ports.items() if k not in ("http",))
         table.add_row(p.name, p.role, str(p.pid), p.url + extra)
     Console(width=None if sys.stdout.isatty() else 160).print(table)
-    print(f"router: {state.router['url']}   etcd: {state.etcd}", flush=True)
+    print(f"router: {state.router['url']}   etcd: {state.etcd}"
+          + (f"   index shards: {' '.join(state.index_etcd)}" if state.index_etcd else ""),
+          flush=True)
 
 
 def _json(url: str) -> tuple[int, Any]:

@@ -70,7 +70,7 @@ class SGLangTopology(Topology):
 
     def services(self, net: Network) -> list[Service]:
         """etcd, then each engine followed by its sidecar, then the router."""
-        out = [self._etcd(net, n) for n in self.etcd_names()]
+        out = [self._etcd(net, n, self.etcd_names()) for n in self.etcd_names()]
         for role, names in (("prefill", self.prefill_names()), ("decode", self.decode_names())):
             for name in names:
                 engine = self._sglang(net, name, role)

@@ -1,7 +1,8 @@
 """The run directory of a local cluster: ``cluster.json`` (processes, ports, tokens) and logs.
 
 ``cluster.json`` is what other commands read to find the running cluster: ``etcd`` (the client
-endpoints, ``host:port,...``) and ``router.url`` are stable keys (``kvatlas index``, ``route`` and
+endpoints, ``host:port,...``), ``index_etcd`` (one ``host:port`` per index shard, if any) and
+``router.url`` are stable keys (``kvatlas index``, ``route`` and
 ``generate`` read them). It holds the cluster's tokens, so the directory is 0700 and the file 0600.
 """
 from __future__ import annotations
@@ -112,6 +113,8 @@ class ClusterState:
     router: dict[str, str]
     model: str
     topology: dict[str, Any]
+    index_etcd: list[str] = field(default_factory=list)
+    """The index shards' etcds (``--index-etcd``), when the cluster has any."""
     processes: list[ProcessRecord] = field(default_factory=list)
     supervisor_pid: int | None = None
     started_at: float = field(default_factory=time.time)

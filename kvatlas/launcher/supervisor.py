@@ -87,7 +87,8 @@ class LocalCluster:
         topo = asdict(topology)
         self.state = ClusterState(run_dir=str(self.run_dir), etcd=topology.etcd_endpoints(self.net),
                                   router={"url": router.url}, model=topology.model,
-                                  topology=topo, supervisor_pid=os.getpid())
+                                  topology=topo, supervisor_pid=os.getpid(),
+                                  index_etcd=topology.index_etcd_endpoints(self.net))
         self._popen: dict[str, subprocess.Popen[bytes]] = {}
 
     def service(self, name: str) -> Service:

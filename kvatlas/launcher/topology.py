@@ -189,6 +189,9 @@ class Topology:
     """``HOST:PORT[,...]`` of an etcd the cluster uses instead of starting its own."""
     etcd_client: EtcdClientFlags = field(default_factory=EtcdClientFlags)
     """TLS/auth/prefix options for every etcd client."""
+    index_shards: int = 0
+    """Embedded etcds of one member each the block index is spread over (``--index-etcd`` of
+    the prefills and the router); 0: the blocks live in the main etcd."""
     auth_token: str | None = None
     """Bootstrap write token (``--auth-token`` of prefill instances); None: generated."""
     admin_token: str | None = None
@@ -211,6 +214,8 @@ class Topology:
         for name in ("prefill", "decode", "prefill_tp", "prefill_dp", "decode_tp"):
             if not 1 <= getattr(self, name) <= 64:
                 raise ValueError(f"{name} must be within [1, 64], got {getattr(self, name)}")
+        if not 0 <= self.index_shards <= 16:
+            raise ValueError(f"index shards must be within [0, 16], got {self.index_shards}")
         if self.external_etcd is None and self.etcd_members not in (1, 3):
             raise ValueError(f"etcd members must be 1 or 3, got {self.etcd_members}")
         if self.engine_mode not in ENGINE_MODES:
@@ -242,6 +247,13 @@ class Topology:
     def etcd_names(self) -> list[str]:
         return [] if self.external_etcd else [f"etcd{i}" for i in range(self.etcd_members)]
 
+    def index_etcd_names(self) -> list[str]:
+        return [f"etcd-index{i}" for i in range(self.index_shards)]
+
+    def index_etcd_endpoints(self, net: Network) -> list[str]:
+        """One ``HOST:PORT`` per index shard (``--index-etcd``'s values)."""
+        return [f"{net.host(n)}:{net.port(n, 'client')}" for n in self.index_etcd_names()]
+
     def prefill_names(self) -> list[str]:
         return [f"prefill-{i}" for i in range(self.prefill)]
 
@@ -257,15 +269,15 @@ class Topology:
 
     def services(self, net: Network) -> list[Service]:
         """Every process in start order: etcd, prefills, decodes, router."""
-        out = [self._etcd(net, n) for n in self.etcd_names()]
+        out = [self._etcd(net, n, self.etcd_names()) for n in self.etcd_names()]
+        out += [self._etcd(net, n, [n]) for n in self.index_etcd_names()]
         out += [self._prefill(net, n) for n in self.prefill_names()]
         out += [self._decode(net, n) for n in self.decode_names()]
         out.append(self._router(net, out))
         return out
 
-    def _etcd(self, net: Network, name: str) -> Service:
-        peers = ",".join(f"{n}=http://{net.host(n)}:{net.port(n, 'peer')}"
-                         for n in self.etcd_names())
+    def _etcd(self, net: Network, name: str, members: list[str]) -> Service:
+        peers = ",".join(f"{n}=http://{net.host(n)}:{net.port(n, 'peer')}" for n in members)
         client, peer = net.port(name, "client"), net.port(name, "peer")
         listen = net.listen_host
         args = [
@@ -284,8 +296,11 @@ class Topology:
         return Service(name, "etcd", args, net.host(name), client, "/health",
                        extra_ports={"peer": peer})
 
-    def _etcd_args(self, net: Network) -> list[str]:
-        return ["--etcd", self.etcd_endpoints(net), *self.etcd_client.args()]
+    def _etcd_args(self, net: Network, index: bool = False) -> list[str]:
+        """The etcd flags; ``index``: also the index shards (a writer or reader of blocks)."""
+        shards = self.index_etcd_endpoints(net) if index else []
+        return ["--etcd", self.etcd_endpoints(net), *self.etcd_client.args(),
+                *(["--index-etcd", *shards] if shards else [])]
 
     def _common_engine(self, net: Network, name: str) -> list[str]:
         return ["engine", "serve", "--model", self.model, "--host", net.listen_host,
@@ -308,9 +323,10 @@ class Topology:
                     "--tp", str(self.prefill_tp), "--dp", str(self.prefill_dp),
                     "--bootstrap-port", str(boot), "--instance-id", name,
                     "--lease-ttl", str(self.lease_ttl), *self._pd_flags(net, name),
-                    *self._etcd_args(net)]
+                    *self._etcd_args(net, index=True)]
         return Service(name, "prefill", args, net.host(name), port, "/health",
-                       depends_on=self.etcd_names(), extra_ports=extra, env=self._pd_env())
+                       depends_on=self.etcd_names() + self.index_etcd_names(),
+                       extra_ports=extra, env=self._pd_env())
 
     def _decode(self, net: Network, name: str) -> Service:
         port = net.port(name, "http")
@@ -335,7 +351,7 @@ class Topology:
         args = ["router", "serve", "--host", net.listen_host, "--port", str(port),
                 "--model", self.served_model, "--admin-token", str(self.admin_token),
                 "--health-check-interval-secs", f"{self.health_interval:g}",
-                *self._etcd_args(net)]
+                *self._etcd_args(net, index=True)]
         tokenizer = self.router_tokenizer()
         if tokenizer is not None:
             args += ["--tokenizer", tokenizer]

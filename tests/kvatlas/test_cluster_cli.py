@@ -207,3 +207,38 @@ def test_down_without_a_cluster_says_how_to_start_one(tmp_path: Path) -> None:
     out = kvatlas("cluster", "down", "--run-dir", str(tmp_path / "none"))
     assert out.returncode == 2 and "kvatlas cluster up" in out.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_a_cluster_with_index_shards_indexes_its_prefill_on_its_shard(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    up = kvatlas("cluster", "up", *FAST, "--index-shards", "2", "--detach",
+                 "--router-port", str(free_port()), "--run-dir", str(run_dir))
+    assert up.returncode == 0, up.stderr
+    state = ClusterState.load(run_dir)
+    try:
+        assert len(state.index_etcd) == 2 and state.etcd not in state.index_etcd
+        assert len(state.by_role("etcd")) == 3
+        chat = json.dumps({"messages": [{"role": "user", "content": "a sharded question " * 8}],
+                           "max_tokens": 2}).encode()
+        usages = []
+        for _ in range(2):
+            with urllib.request.urlopen(state.router["url"] + "/v1/chat/completions", chat,
+                                        timeout=30) as r:
+                usages.append(json.loads(r.read())["usage"])
+        assert usages[1]["prompt_tokens_details"]["cached_tokens"] > 0
+        # `index stats` finds the shards through cluster.json: the prefill's blocks are on the
+        # one shard its id is placed on.
+        st = kvatlas("index", "stats", "--json", "--sample", "0", "--run-dir", str(run_dir))
+        assert st.returncode == 0, st.stderr
+        doc = json.loads(st.stdout)
+        assert [s["endpoint"] for s in doc["index_shards"]] == state.index_etcd
+        assert sorted(s["instances"] for s in doc["index_shards"]) == [0, 1]
+        row = next(r for r in doc["instances"] if r["instance_id"] == "prefill-0")
+        assert row["blocks"] > 0
+        with urllib.request.urlopen(state.router["url"] + "/readiness", timeout=5) as r:
+            index = json.loads(r.read())["index"]
+        assert [s["state"] for s in index["shards"]] == ["live", "live"]
+    finally:
+        down = kvatlas("cluster", "down", "--run-dir", str(run_dir))
+    assert down.returncode == 0, down.stderr
+    assert _all_gone(state) == []

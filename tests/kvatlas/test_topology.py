@@ -52,8 +52,30 @@ def test_parallel_sizes_reach_the_instances() -> None:
     assert _flag(services["decode-1"].args, "--tp") == "4"
 
 
+def test_index_shards_are_etcds_of_their_own_named_to_prefills_and_router() -> None:
+    topo = Topology(index_shards=2)
+    net = LocalNetwork(data_root="/tmp/x")
+    services = {s.name: s for s in topo.services(net)}
+    shards = topo.index_etcd_endpoints(net)
+    assert len(shards) == 2 and [services[n].role for n in topo.index_etcd_names()] == [
+        "etcd", "etcd"]
+    # One member each: a cluster of its own, not a member of the main one.
+    for n in topo.index_etcd_names():
+        (initial,) = [a for a in services[n].args if a.startswith("--initial-cluster=")]
+        assert initial.startswith(f"--initial-cluster={n}=http://") and "," not in initial
+    for name in ("prefill-0", "prefill-1", "router"):
+        args = services[name].args
+        i = args.index("--index-etcd")
+        assert args[i + 1:i + 3] == shards, name
+    assert "--index-etcd" not in services["decode-0"].args
+    assert set(topo.index_etcd_names()) <= set(services["prefill-0"].depends_on)
+    assert "--index-etcd" not in " ".join(
+        a for s in Topology().services(net) for a in s.args)
+
+
 @pytest.mark.parametrize("kw", [{"prefill": 0}, {"decode": 65}, {"etcd_members": 2},
-                                {"engine_mode": "x"}, {"lease_ttl": 1}, {"model": ""}])
+                                {"engine_mode": "x"}, {"lease_ttl": 1}, {"model": ""},
+                                {"index_shards": -1}, {"index_shards": 17}])
 def test_bad_topologies_are_refused(kw: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         Topology(**kw)  # type: ignore[arg-type]
