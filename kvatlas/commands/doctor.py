@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from index.shards import IndexShards
 from kvatlas.cli import CLIError
 from kvatlas.commands._common import key_layout
 from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_etcd_settings
@@ -23,7 +24,7 @@ def register(subparsers: Any) -> None:
                     "(settings it ignores, events rejected by reason, no events from an "
                     "instance that served requests, blocks that never match its hashes); the "
                     "index mirror, and a probe through the router.")
-    add_cluster_etcd_args(p)
+    add_cluster_etcd_args(p, index=True)
     p.add_argument("--router", default=None, metavar="URL",
                    help="router base URL (default: the run dir's, else no router checks)")
     p.add_argument("--timeout", type=float, default=15.0, help="seconds per HTTP call")
@@ -43,7 +44,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             router = router_url(args)
         except CLIError:
             router = None
-    doctor = Doctor(settings, key_layout(args), router, timeout=args.timeout)
+    doctor = Doctor(settings, key_layout(args), router, timeout=args.timeout,
+                    index_etcd=IndexShards.from_cli_args(args, settings))
     links = asyncio.run(doctor.run())
     if args.json:
         print(json.dumps([vars(link) for link in links], indent=2))

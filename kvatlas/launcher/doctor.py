@@ -26,6 +26,7 @@ from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, loads
 from index.record import DEFAULT_ENGINE, RecordReader
 from index.rooms import ROUTER_ROOMS
+from index.shards import IndexShards
 from kvatlas.launcher.doctor_index import index_links
 
 PROBE_PROMPT = ("kvatlas doctor probe: a prompt long enough to fill a few KV blocks, so the "
@@ -49,6 +50,8 @@ class Doctor:
     layout: KeyLayout
     router: str | None
     timeout: float = 10.0
+    index_etcd: IndexShards = field(default_factory=IndexShards)
+    """The block index's shards (``--index-etcd``), each checked after the main etcd."""
     links: list[Link] = field(default_factory=list)
     instances: dict[str, dict[str, Any]] = field(default_factory=dict)
     ranks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -62,7 +65,8 @@ class Doctor:
         """Check each link in order; stop at the first that fails."""
         timeout = aiohttp.ClientTimeout(total=self.timeout)
         async with aiohttp.ClientSession(timeout=timeout) as http:
-            steps: list[Callable[[], Awaitable[bool]]] = [self._etcd, self._registered]
+            steps: list[Callable[[], Awaitable[bool]]] = [self._etcd, self._shards,
+                                                          self._registered]
             for step in steps:
                 if not await step():
                     return self.links
@@ -96,6 +100,21 @@ class Doctor:
                              "is etcd running (`kvatlas cluster status`)? are --etcd and the "
                              "TLS/auth flags right?")
         return self._add("etcd reachable", True, f"{self.etcd.display} ({status})")
+
+    async def _shards(self) -> bool:
+        """Each index shard's etcd answers (a shard down leaves its instances' blocks stale)."""
+        ok = True
+        for i, settings in enumerate(self.index_etcd.clusters):
+            try:
+                async with EtcdClient(settings) as client:
+                    status = await client.status()
+            except (EtcdError, OSError) as exc:
+                ok = self._add(f"index shard {i} reachable", False, f"{settings.display}: {exc}",
+                               "is that etcd running? every process must list the same "
+                               "--index-etcd clusters, in the same order") and ok
+                continue
+            self._add(f"index shard {i} reachable", True, f"{settings.display} ({status})")
+        return ok
 
     async def _registered(self) -> bool:
         roles = [r.get("role") for r in self.instances.values()]

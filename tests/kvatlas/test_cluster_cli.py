@@ -238,6 +238,13 @@ def test_a_cluster_with_index_shards_indexes_its_prefill_on_its_shard(tmp_path: 
         with urllib.request.urlopen(state.router["url"] + "/readiness", timeout=5) as r:
             index = json.loads(r.read())["index"]
         assert [s["state"] for s in index["shards"]] == ["live", "live"]
+        doc = kvatlas("doctor", "--run-dir", str(run_dir), "--json")
+        assert doc.returncode == 0, doc.stdout + doc.stderr
+        names = [link["name"] for link in json.loads(doc.stdout)]
+        assert names[1:3] == ["index shard 0 reachable", "index shard 1 reachable"]
+        state.process("etcd-index1").stop()
+        doc = kvatlas("doctor", "--run-dir", str(run_dir))
+        assert doc.returncode == 1 and "[FAIL] index shard 1 reachable" in doc.stdout
     finally:
         down = kvatlas("cluster", "down", "--run-dir", str(run_dir))
     assert down.returncode == 0, down.stderr
