@@ -277,7 +277,8 @@ def shards_part(quick: bool, etcd_cpu: float, capacity: int,
     the lag budget, each etcd capped at ``etcd_cpu`` cores; then one uncapped run, for what an
     etcd CPU second carries."""
     totals = ([50e3, 100e3, 200e3, 300e3] if quick
-              else [25e3, 50e3, 100e3, 150e3, 200e3, 300e3, 400e3, 500e3])
+              else [25e3, 50e3, 75e3, 100e3, 125e3, 150e3, 200e3, 250e3, 300e3, 400e3, 500e3,
+                    600e3])
     seconds = 5.0 if quick else 8.0
     out: dict[str, Any] = {"etcd_cpu_cap": etcd_cpu, "sweeps": []}
     rows = []

@@ -340,7 +340,7 @@ def main() -> int:
     p.add_argument("--parts", default="etcd,scale,shards,lookup",
                    help="comma-separated parts to run: etcd (write path, churn), scale (writer "
                         "processes at once), shards (changes/s over 1/2/4 etcds), lookup")
-    p.add_argument("--etcd-cpu", type=float, default=0.1,
+    p.add_argument("--etcd-cpu", type=float, default=0.25,
                    help="part shards: cores each etcd is capped at (cgroup v1; needs root)")
     p.add_argument("--periodic-retention", default=None,
                    help="auto-compaction retention of the periodic-mode churn run (default 10s, "
