@@ -71,24 +71,23 @@ async def etcd(etcd_settings: EtcdSettings, key_prefix: str) -> AsyncIterator[Et
     await client.close()
 
 
-@pytest.fixture
-def etcd_cluster3() -> Iterator[EtcdCluster]:
-    """A fresh 3-member etcd cluster on free loopback ports, for fault tests that kill members."""
+def _fresh_cluster(size: int) -> Iterator[EtcdCluster]:
     try:
-        cluster = EtcdCluster(3).start()
+        cluster = EtcdCluster(size).start()
     except EtcdBinaryNotFound as exc:
         pytest.fail(f"etcd is required for the test suite: {exc}")
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture
+def etcd_cluster3() -> Iterator[EtcdCluster]:
+    """A fresh 3-member etcd cluster on free loopback ports, for fault tests that kill members."""
+    yield from _fresh_cluster(3)
 
 
 @pytest.fixture
 def etcd_shard() -> Iterator[EtcdCluster]:
     """A second etcd cluster (one member, its own process) to spread a block index over, with
     the session's etcd as the first shard; a test may kill and restart it."""
-    try:
-        cluster = EtcdCluster(1).start()
-    except EtcdBinaryNotFound as exc:
-        pytest.fail(f"etcd is required for the test suite: {exc}")
-    yield cluster
-    cluster.stop()
+    yield from _fresh_cluster(1)

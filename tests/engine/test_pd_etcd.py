@@ -33,6 +33,15 @@ async def wait_for(pred, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.2)
 
 
+async def generate(prefill: Proc, decode: Proc, ids: list[int]) -> None:
+    """One PD request (3 new tokens) to both halves, both answered 200."""
+    async with aiohttp.ClientSession() as s:
+        body = pd_body(ids, 3, prefill.bport)
+        pr, dr = await asyncio.gather(s.post(prefill.url + "/generate", json=body),
+                                      s.post(decode.url + "/generate", json=body))
+        assert pr.status == 200 and dr.status == 200
+
+
 async def test_prefill_and_decode_register_and_index(etcd_endpoint: str, key_prefix: str,
                                                      etcd: EtcdClient) -> None:
     layout = KeyLayout(prefix=key_prefix)
@@ -43,11 +52,7 @@ async def test_prefill_and_decode_register_and_index(etcd_endpoint: str, key_pre
         prefill.wait_ready()
         decode.wait_ready()
         ids = [256, *b"an indexed prompt, long enough for two full blocks of KV"]
-        async with aiohttp.ClientSession() as s:
-            body = pd_body(ids, 3, prefill.bport)
-            pr, dr = await asyncio.gather(s.post(prefill.url + "/generate", json=body),
-                                          s.post(decode.url + "/generate", json=body))
-            assert pr.status == 200 and dr.status == 200
+        await generate(prefill, decode, ids)
         want = block_hashes(ids, 16, BASE_SEED)
         assert len(want) >= 2
 
@@ -210,11 +215,7 @@ async def test_a_prefill_with_index_shards_writes_its_blocks_to_its_shard(
         prefill.wait_ready()
         decode.wait_ready()
         ids = [256, *b"a prompt indexed on the second shard, two blocks long"]
-        async with aiohttp.ClientSession() as s:
-            body = pd_body(ids, 3, prefill.bport)
-            pr, dr = await asyncio.gather(s.post(prefill.url + "/generate", json=body),
-                                          s.post(decode.url + "/generate", json=body))
-            assert pr.status == 200 and dr.status == 200
+        await generate(prefill, decode, ids)
         want = set(block_hashes(ids, 16, BASE_SEED))
 
         async def indexed() -> bool:

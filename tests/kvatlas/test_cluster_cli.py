@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,6 +44,18 @@ def admin_status(state: ClusterState, token: str) -> int:
             return r.status
     except urllib.error.HTTPError as exc:
         return exc.code
+
+
+def chat_twice(state: ClusterState, content: str) -> list[dict[str, Any]]:
+    """One chat request through the router, twice (2 tokens each): the answers' usages."""
+    chat = json.dumps({"messages": [{"role": "user", "content": content}],
+                       "max_tokens": 2}).encode()
+    usages = []
+    for _ in range(2):
+        with urllib.request.urlopen(state.router["url"] + "/v1/chat/completions", chat,
+                                    timeout=30) as r:
+            usages.append(json.loads(r.read())["usage"])
+    return usages
 
 
 def test_up_status_generate_down(tmp_path: Path) -> None:
@@ -84,13 +97,7 @@ def test_up_status_generate_down(tmp_path: Path) -> None:
         assert [a["meta_info"]["completion_tokens"] for a in answers] == [3, 3]
         assert len({a["meta_info"]["bootstrap_room"] for a in answers}) == 2
         # OpenAI requests through the router; the repeat finds its prefix cached.
-        chat = json.dumps({"messages": [{"role": "user", "content": "a question " * 8}],
-                           "max_tokens": 2}).encode()
-        usages = []
-        for _ in range(2):
-            with urllib.request.urlopen(state.router["url"] + "/v1/chat/completions", chat,
-                                        timeout=30) as r:
-                usages.append(json.loads(r.read())["usage"])
+        usages = chat_twice(state, "a question " * 8)
         assert [u["completion_tokens"] for u in usages] == [2, 2]
         assert usages[1]["prompt_tokens_details"]["cached_tokens"] > 0
         again = kvatlas("cluster", "up", *FAST, "--detach", "--run-dir", str(run_dir))
@@ -218,13 +225,7 @@ def test_a_cluster_with_index_shards_indexes_its_prefill_on_its_shard(tmp_path: 
     try:
         assert len(state.index_etcd) == 2 and state.etcd not in state.index_etcd
         assert len(state.by_role("etcd")) == 3
-        chat = json.dumps({"messages": [{"role": "user", "content": "a sharded question " * 8}],
-                           "max_tokens": 2}).encode()
-        usages = []
-        for _ in range(2):
-            with urllib.request.urlopen(state.router["url"] + "/v1/chat/completions", chat,
-                                        timeout=30) as r:
-                usages.append(json.loads(r.read())["usage"])
+        usages = chat_twice(state, "a sharded question " * 8)
         assert usages[1]["prompt_tokens_details"]["cached_tokens"] > 0
         # `index stats` finds the shards through cluster.json: the prefill's blocks are on the
         # one shard its id is placed on.
