@@ -374,6 +374,9 @@ class IndexAgent:
             "subscriber": self.subscriber.stats(), "writer": self.writer.stats(),
             "lease": {"id": self.session.lease_id, "healthy": self.session.healthy,
                       "generation": self.session.generation, "last_error": self.session.last_error},
+            "block_lease": {"shard": self.blocks.shard, "endpoint": self.blocks.endpoint,
+                            "id": self.blocks.session.lease_id,
+                            "healthy": self.blocks.session.healthy},
             "record_owner": self.record.owner, "stats_publishes": self.publisher.publishes,
         }
 

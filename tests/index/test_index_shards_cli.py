@@ -60,6 +60,9 @@ async def test_agent_writes_blocks_to_its_shard_and_the_cli_reads_every_shard(
     agent, shards = agent_on_shard_1
     iid = agent.config.instance_id
     assert agent.blocks.shard == 1 and agent.blocks.own
+    lease = agent.stats()["block_lease"]
+    assert lease["shard"] == 1 and lease["endpoint"] == etcd_shard.endpoints and lease["healthy"]
+    assert lease["id"] != agent.session.lease_id
     # The record in the main etcd, the blocks (6 of them) on shard 1 only.
     assert await etcd.get(layout.instance(iid)) is not None
     _, main_blocks = await etcd.get_prefix(layout.blocks_prefix())
