@@ -38,8 +38,8 @@ def test_slots_are_reused_and_masks_stay_narrow() -> None:
         asyncio.run(idx.add(name, None, [1, 2, 3]))
         asyncio.run(idx.clear(name))
     asyncio.run(idx.add("last", None, [1, 2, 3]))
-    # The only live instance got the lowest slot back, so its mask is bit 0.
-    assert idx.table._masks[1] == 1
+    # The only live instance got the lowest slot back, so masks are one bit wide.
+    assert idx.table._slots == {"last": 0}
     assert idx.lookup([1, 2, 3]) == {"last": 3}
 
 

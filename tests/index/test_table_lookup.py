@@ -1,12 +1,13 @@
-"""BlockTable.lookup (chunked at C speed) against a block-by-block reference walk."""
+"""BlockTable.lookup of both backends against a block-by-block reference walk."""
 from __future__ import annotations
 
 import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from table_backends import table_classes
 
-from index.table import BlockTable
+from index.table import TableBase
 
 
 def reference(table_blocks: dict[str, set[int]], hashes: list[int]) -> dict[str, int]:
@@ -20,12 +21,14 @@ def reference(table_blocks: dict[str, set[int]], hashes: list[int]) -> dict[str,
     return out
 
 
+@table_classes
 @settings(max_examples=300, deadline=None)
 @given(n=st.integers(0, 140), instances=st.integers(1, 5), seed=st.integers(0, 2**32))
-def test_lookup_matches_reference(n: int, instances: int, seed: int) -> None:
+def test_lookup_matches_reference(table_cls: type[TableBase], n: int, instances: int,
+                                  seed: int) -> None:
     rng = random.Random(seed)
     hashes = [rng.getrandbits(64) for _ in range(n)]
-    table, held = BlockTable(), {}
+    table, held = table_cls(), {}
     for i in range(instances):
         name = f"i{i}"
         # A prefix of random length, sometimes with holes, plus unrelated blocks.
@@ -38,8 +41,9 @@ def test_lookup_matches_reference(n: int, instances: int, seed: int) -> None:
     assert table.lookup(tuple(hashes)) == reference(held, hashes)
 
 
-def test_version_changes_on_every_write_and_is_unique() -> None:
-    a, b = BlockTable(), BlockTable()
+@table_classes
+def test_version_changes_on_every_write_and_is_unique(table_cls: type[TableBase]) -> None:
+    a, b = table_cls(), table_cls()
     assert a.version == b.version == 0
     b.apply_add("x", [1, 2])
     versions = [a.version]

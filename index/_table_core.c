@@ -1,0 +1,620 @@
+/* index._table_core: the hot part of index.table.BlockTable, in C.
+ *
+ * One open-addressing hash table (linear probing, backward-shift deletion) from a uint64 block
+ * hash to a bitmask of instance slots. A bucket is the key followed by the mask's `words` uint64
+ * words, contiguous, so that one probe touches one cache line; an all-zero mask marks an empty
+ * bucket (a block nobody holds is not stored), so any uint64, 0 included, can be a key. The
+ * table widens (more words per bucket) when a slot beyond the mask's width is first used.
+ *
+ * Everything else of BlockTable (instance names <-> slots, media, versions) stays in Python
+ * (index/table_core.py). All memory comes from PyMem_* so that tracemalloc sees it. Every entry
+ * point runs with the GIL held and none releases it: the object is never used by two threads.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Grow when more than 3/4 of the buckets are used: probes stay short for hits and misses. */
+#define LOAD_NUM 3
+#define LOAD_DEN 4
+#define MIN_CAP 64
+/* How many blocks ahead a lookup prefetches the bucket of: enough to overlap the cache misses
+ * of a table far larger than the CPU caches. */
+#define PREFETCH_AHEAD 8
+/* Prompt blocks converted on the stack; a longer prompt takes a heap buffer. */
+#define STACK_BLOCKS 512
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t *buckets;   /* cap * (1 + words) uint64: key, then mask words */
+    Py_ssize_t cap;      /* 0 or a power of two */
+    Py_ssize_t size;     /* buckets in use (distinct blocks) */
+    Py_ssize_t words;    /* mask words per bucket (64 slots each) */
+    Py_ssize_t *counts;  /* blocks held per slot, words * 64 of them */
+} Core;
+
+static inline uint64_t mix(uint64_t x)
+{
+    /* splitmix64's finalizer: block hashes are already random, but a caller's are not bound to
+     * be, and linear probing degrades badly on clustered keys. */
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+static inline int mask_empty(const uint64_t *m, Py_ssize_t words)
+{
+    for (Py_ssize_t w = 0; w < words; w++) {
+        if (m[w]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static inline uint64_t *bucket_at(const Core *self, Py_ssize_t i)
+{
+    return self->buckets + (size_t)i * (size_t)(1 + self->words);
+}
+
+/* The bucket holding `key`, or NULL. */
+static inline uint64_t *find(const Core *self, uint64_t key)
+{
+    if (self->cap == 0) {
+        return NULL;
+    }
+    Py_ssize_t cmask = self->cap - 1;
+    Py_ssize_t i = (Py_ssize_t)(mix(key) & (uint64_t)cmask);
+    for (;;) {
+        uint64_t *b = bucket_at(self, i);
+        if (mask_empty(b + 1, self->words)) {
+            return NULL;
+        }
+        if (b[0] == key) {
+            return b;
+        }
+        i = (i + 1) & cmask;
+    }
+}
+
+/* Rebuild into `cap` buckets of `words` mask words (grow, shrink or widen). */
+static int rebuild(Core *self, Py_ssize_t cap, Py_ssize_t words)
+{
+    Py_ssize_t stride = 1 + words;
+    if (cap > PY_SSIZE_T_MAX / stride / (Py_ssize_t)sizeof(uint64_t)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t *nb = PyMem_Calloc((size_t)cap * (size_t)stride, sizeof(uint64_t));
+    if (nb == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (words != self->words) {
+        Py_ssize_t *nc = PyMem_Calloc((size_t)words * 64, sizeof(Py_ssize_t));
+        if (nc == NULL) {
+            PyMem_Free(nb);
+            PyErr_NoMemory();
+            return -1;
+        }
+        if (self->counts != NULL) {
+            memcpy(nc, self->counts, (size_t)self->words * 64 * sizeof(Py_ssize_t));
+        }
+        PyMem_Free(self->counts);
+        self->counts = nc;
+    }
+    Py_ssize_t cmask = cap - 1;
+    Py_ssize_t size = 0;
+    for (Py_ssize_t i = 0; i < self->cap; i++) {
+        uint64_t *b = bucket_at(self, i);
+        if (mask_empty(b + 1, self->words)) {
+            continue;
+        }
+        Py_ssize_t j = (Py_ssize_t)(mix(b[0]) & (uint64_t)cmask);
+        while (!mask_empty(nb + (size_t)j * stride + 1, words)) {
+            j = (j + 1) & cmask;
+        }
+        uint64_t *d = nb + (size_t)j * stride;
+        d[0] = b[0];
+        memcpy(d + 1, b + 1, (size_t)self->words * sizeof(uint64_t));
+        size++;
+    }
+    PyMem_Free(self->buckets);
+    self->buckets = nb;
+    self->cap = cap;
+    self->words = words;
+    self->size = size;
+    return 0;
+}
+
+/* The bucket of `key`, inserted (with an empty mask the caller must fill) if absent. */
+static uint64_t *find_or_insert(Core *self, uint64_t key)
+{
+    if ((self->size + 1) * LOAD_DEN > self->cap * LOAD_NUM) {
+        if (rebuild(self, self->cap ? self->cap * 2 : MIN_CAP, self->words) < 0) {
+            return NULL;
+        }
+    }
+    Py_ssize_t cmask = self->cap - 1;
+    Py_ssize_t i = (Py_ssize_t)(mix(key) & (uint64_t)cmask);
+    for (;;) {
+        uint64_t *b = bucket_at(self, i);
+        if (mask_empty(b + 1, self->words)) {
+            b[0] = key;
+            self->size++;
+            return b;
+        }
+        if (b[0] == key) {
+            return b;
+        }
+        i = (i + 1) & cmask;
+    }
+}
+
+/* Empty bucket `b` (its mask is already zero) and shift back the run after it, so that no
+ * probe sequence is broken (no tombstones: lookups of missing blocks stay short). */
+static void delete_at(Core *self, uint64_t *b)
+{
+    Py_ssize_t stride = 1 + self->words;
+    Py_ssize_t cmask = self->cap - 1;
+    Py_ssize_t i = (Py_ssize_t)((b - self->buckets) / stride);
+    Py_ssize_t j = i;
+    for (;;) {
+        j = (j + 1) & cmask;
+        uint64_t *bj = bucket_at(self, j);
+        if (mask_empty(bj + 1, self->words)) {
+            break;
+        }
+        Py_ssize_t home = (Py_ssize_t)(mix(bj[0]) & (uint64_t)cmask);
+        /* bj may fill the hole at i when i lies on its probe path, from home to j. */
+        if (((j - home) & cmask) >= ((j - i) & cmask)) {
+            memcpy(bucket_at(self, i), bj, (size_t)stride * sizeof(uint64_t));
+            i = j;
+        }
+    }
+    memset(bucket_at(self, i), 0, (size_t)stride * sizeof(uint64_t));
+    self->size--;
+}
+
+/* --- argument conversion ------------------------------------------------------------------ */
+
+static int to_u64(PyObject *o, uint64_t *out)
+{
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "a block hash must be an int, not %.100s",
+                     Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_OverflowError,
+                         "a block hash must be an unsigned 64-bit int, got %R", o);
+        }
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+static int to_slot(Core *self, PyObject *o, Py_ssize_t *out)
+{
+    Py_ssize_t s = PyLong_AsSsize_t(o);
+    if (s == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (s < 0 || s >= ((Py_ssize_t)1 << 20)) {
+        PyErr_Format(PyExc_ValueError, "slot %zd out of range", s);
+        return -1;
+    }
+    *out = s;
+    (void)self;
+    return 0;
+}
+
+/* The hashes of a sequence as uint64, in `stack` when they fit, else in a PyMem buffer the
+ * caller frees when it differs from `stack`. */
+static uint64_t *convert(PyObject *seq, uint64_t *stack, Py_ssize_t *n_out)
+{
+    PyObject *fast = PySequence_Fast(seq, "block hashes must be a sequence (or an iterable)");
+    if (fast == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    uint64_t *buf = stack;
+    if (n > STACK_BLOCKS) {
+        buf = PyMem_Malloc((size_t)n * sizeof(uint64_t));
+        if (buf == NULL) {
+            Py_DECREF(fast);
+            PyErr_NoMemory();
+            return NULL;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (to_u64(items[i], &buf[i]) < 0) {
+            if (buf != stack) {
+                PyMem_Free(buf);
+            }
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    *n_out = n;
+    return buf;
+}
+
+/* --- methods ------------------------------------------------------------------------------ */
+
+static PyObject *core_add(Core *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot, n;
+    uint64_t stack[STACK_BLOCKS];
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "add(slot, hashes)");
+        return NULL;
+    }
+    if (to_slot(self, args[0], &slot) < 0) {
+        return NULL;
+    }
+    uint64_t *hs = convert(args[1], stack, &n);
+    if (hs == NULL) {
+        return NULL;
+    }
+    Py_ssize_t added = 0;
+    if (slot >= self->words * 64) {
+        Py_ssize_t cap = self->cap ? self->cap : MIN_CAP;
+        if (rebuild(self, cap, slot / 64 + 1) < 0) {
+            goto fail;
+        }
+    }
+    Py_ssize_t w = slot / 64;
+    uint64_t bit = (uint64_t)1 << (slot % 64);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t *b = find_or_insert(self, hs[i]);
+        if (b == NULL) {
+            goto fail;
+        }
+        if (!(b[1 + w] & bit)) {
+            b[1 + w] |= bit;
+            added++;
+        }
+    }
+    self->counts[slot] += added;
+    if (hs != stack) {
+        PyMem_Free(hs);
+    }
+    return PyLong_FromSsize_t(added);
+fail:
+    /* What was added before the failure (out of memory) stays added, and counted. */
+    self->counts[slot] += added;
+    if (hs != stack) {
+        PyMem_Free(hs);
+    }
+    return NULL;
+}
+
+static PyObject *core_remove(Core *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot, n;
+    uint64_t stack[STACK_BLOCKS];
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "remove(slot, hashes)");
+        return NULL;
+    }
+    if (to_slot(self, args[0], &slot) < 0) {
+        return NULL;
+    }
+    uint64_t *hs = convert(args[1], stack, &n);
+    if (hs == NULL) {
+        return NULL;
+    }
+    Py_ssize_t removed = 0;
+    if (slot < self->words * 64) {
+        Py_ssize_t w = slot / 64;
+        uint64_t bit = (uint64_t)1 << (slot % 64);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t *b = find(self, hs[i]);
+            if (b == NULL || !(b[1 + w] & bit)) {
+                continue;
+            }
+            b[1 + w] &= ~bit;
+            removed++;
+            if (mask_empty(b + 1, self->words)) {
+                delete_at(self, b);
+            }
+        }
+        self->counts[slot] -= removed;
+    }
+    if (hs != stack) {
+        PyMem_Free(hs);
+    }
+    return PyLong_FromSsize_t(removed);
+}
+
+static PyObject *core_clear_slot(Core *self, PyObject *arg)
+{
+    Py_ssize_t slot;
+    if (to_slot(self, arg, &slot) < 0) {
+        return NULL;
+    }
+    if (slot >= self->words * 64 || self->counts[slot] == 0) {
+        return PyLong_FromSsize_t(0);
+    }
+    Py_ssize_t w = slot / 64;
+    uint64_t bit = (uint64_t)1 << (slot % 64);
+    Py_ssize_t removed = 0;
+    for (Py_ssize_t i = 0; i < self->cap; i++) {
+        uint64_t *b = bucket_at(self, i);
+        /* A deletion shifts a later bucket back into i: look at i again until it is one this
+         * slot does not hold. Only buckets already scanned can wrap around to before i. */
+        while (b[1 + w] & bit) {
+            b[1 + w] &= ~bit;
+            removed++;
+            if (mask_empty(b + 1, self->words)) {
+                delete_at(self, b);
+            }
+        }
+    }
+    self->counts[slot] = 0;
+    return PyLong_FromSsize_t(removed);
+}
+
+static PyObject *core_holds(Core *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t slot;
+    uint64_t key;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "holds(slot, hash)");
+        return NULL;
+    }
+    if (to_slot(self, args[0], &slot) < 0 || to_u64(args[1], &key) < 0) {
+        return NULL;
+    }
+    if (slot >= self->words * 64) {
+        Py_RETURN_FALSE;
+    }
+    uint64_t *b = find(self, key);
+    return PyBool_FromLong(b != NULL && (b[1 + slot / 64] >> (slot % 64)) & 1);
+}
+
+static PyObject *core_count(Core *self, PyObject *arg)
+{
+    Py_ssize_t slot;
+    if (to_slot(self, arg, &slot) < 0) {
+        return NULL;
+    }
+    return PyLong_FromSsize_t(slot < self->words * 64 ? self->counts[slot] : 0);
+}
+
+static PyObject *core_entries(Core *self, PyObject *Py_UNUSED(ignored))
+{
+    Py_ssize_t total = 0;
+    for (Py_ssize_t s = 0; s < self->words * 64; s++) {
+        total += self->counts[s];
+    }
+    return PyLong_FromSsize_t(total);
+}
+
+static PyObject *core_slot_blocks(Core *self, PyObject *arg)
+{
+    Py_ssize_t slot;
+    if (to_slot(self, arg, &slot) < 0) {
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL || slot >= self->words * 64) {
+        return out;
+    }
+    Py_ssize_t w = slot / 64;
+    uint64_t bit = (uint64_t)1 << (slot % 64);
+    for (Py_ssize_t i = 0; i < self->cap; i++) {
+        uint64_t *b = bucket_at(self, i);
+        if (b[1 + w] & bit) {
+            PyObject *h = PyLong_FromUnsignedLongLong(b[0]);
+            if (h == NULL || PyList_Append(out, h) < 0) {
+                Py_XDECREF(h);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(h);
+        }
+    }
+    return out;
+}
+
+/* Record `count` for every slot of `bits` (word `w`) in `out`, keyed by the slot's name. */
+static int record(PyObject *out, PyObject *names, Py_ssize_t w, uint64_t bits, Py_ssize_t count)
+{
+    PyObject *n = NULL;
+    while (bits) {
+        Py_ssize_t slot = w * 64 + __builtin_ctzll(bits);
+        bits &= bits - 1;
+        if (slot >= PyList_GET_SIZE(names) || PyList_GET_ITEM(names, slot) == Py_None) {
+            PyErr_Format(PyExc_RuntimeError, "slot %zd holds blocks but has no name", slot);
+            Py_XDECREF(n);
+            return -1;
+        }
+        if (n == NULL && (n = PyLong_FromSsize_t(count)) == NULL) {
+            return -1;
+        }
+        if (PyDict_SetItem(out, PyList_GET_ITEM(names, slot), n) < 0) {
+            Py_DECREF(n);
+            return -1;
+        }
+    }
+    Py_XDECREF(n);
+    return 0;
+}
+
+static PyObject *core_lookup(Core *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t n;
+    uint64_t stack[STACK_BLOCKS];
+    uint64_t active[16], *act = active;
+    if (nargs != 2 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "lookup(hashes, names: list)");
+        return NULL;
+    }
+    PyObject *names = args[1];
+    uint64_t *hs = convert(args[0], stack, &n);
+    if (hs == NULL) {
+        return NULL;
+    }
+    PyObject *out = PyDict_New();
+    const uint64_t *first = n ? find(self, hs[0]) : NULL;
+    if (out == NULL || first == NULL) {
+        goto done;
+    }
+    Py_ssize_t words = self->words, stride = 1 + words, cmask = self->cap - 1;
+    if (words > 16 && (act = PyMem_Malloc((size_t)words * sizeof(uint64_t))) == NULL) {
+        PyErr_NoMemory();
+        Py_CLEAR(out);
+        goto done;
+    }
+    memcpy(act, first + 1, (size_t)words * sizeof(uint64_t));
+    for (Py_ssize_t i = 1; i < PREFETCH_AHEAD && i < n; i++) {
+        __builtin_prefetch(self->buckets + (size_t)(mix(hs[i]) & (uint64_t)cmask) * stride);
+    }
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) {
+            __builtin_prefetch(self->buckets +
+                               (size_t)(mix(hs[i + PREFETCH_AHEAD]) & (uint64_t)cmask) * stride);
+        }
+        const uint64_t *b = find(self, hs[i]);
+        int alive = 0;
+        for (Py_ssize_t w = 0; w < words; w++) {
+            uint64_t nxt = b != NULL ? act[w] & b[1 + w] : 0;
+            if (nxt != act[w]) {
+                if (record(out, names, w, act[w] ^ nxt, i) < 0) {
+                    Py_CLEAR(out);
+                    goto done;
+                }
+                act[w] = nxt;
+            }
+            alive |= nxt != 0;
+        }
+        if (!alive) {
+            goto done;
+        }
+    }
+    for (Py_ssize_t w = 0; w < words; w++) {
+        if (record(out, names, w, act[w], n) < 0) {
+            Py_CLEAR(out);
+            goto done;
+        }
+    }
+done:
+    if (act != active) {
+        PyMem_Free(act);
+    }
+    if (hs != stack) {
+        PyMem_Free(hs);
+    }
+    return out;
+}
+
+static PyObject *core_memory(Core *self, PyObject *Py_UNUSED(ignored))
+{
+    size_t bytes = (size_t)self->cap * (size_t)(1 + self->words) * sizeof(uint64_t) +
+                   (size_t)self->words * 64 * sizeof(Py_ssize_t);
+    return PyLong_FromSize_t(bytes);
+}
+
+static Py_ssize_t core_len(Core *self)
+{
+    return self->size;
+}
+
+static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    if (PyTuple_GET_SIZE(args) || (kwargs != NULL && PyDict_GET_SIZE(kwargs))) {
+        PyErr_SetString(PyExc_TypeError, "Core() takes no arguments");
+        return NULL;
+    }
+    Core *self = (Core *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->words = 1;
+    self->counts = PyMem_Calloc(64, sizeof(Py_ssize_t));
+    if (self->counts == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)self;
+}
+
+static void core_dealloc(Core *self)
+{
+    PyMem_Free(self->buckets);
+    PyMem_Free(self->counts);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef core_methods[] = {
+    {"add", (PyCFunction)(void (*)(void))core_add, METH_FASTCALL,
+     "add(slot, hashes) -> blocks newly held by slot"},
+    {"remove", (PyCFunction)(void (*)(void))core_remove, METH_FASTCALL,
+     "remove(slot, hashes) -> blocks slot held and no longer holds"},
+    {"clear_slot", (PyCFunction)core_clear_slot, METH_O,
+     "clear_slot(slot) -> blocks slot held (a scan of the whole table)"},
+    {"holds", (PyCFunction)(void (*)(void))core_holds, METH_FASTCALL,
+     "holds(slot, hash) -> whether slot holds hash"},
+    {"count", (PyCFunction)core_count, METH_O, "count(slot) -> blocks slot holds"},
+    {"entries", (PyCFunction)core_entries, METH_NOARGS, "(slot, block) pairs held"},
+    {"slot_blocks", (PyCFunction)core_slot_blocks, METH_O,
+     "slot_blocks(slot) -> list of the hashes slot holds (a scan of the whole table)"},
+    {"lookup", (PyCFunction)(void (*)(void))core_lookup, METH_FASTCALL,
+     "lookup(hashes, names) -> {names[slot]: leading blocks of hashes slot holds} for every "
+     "slot holding hashes[0]"},
+    {"memory", (PyCFunction)core_memory, METH_NOARGS, "bytes allocated"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods core_as_sequence = {
+    .sq_length = (lenfunc)core_len,
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "index._table_core.Core",
+    .tp_doc = "uint64 block hash -> bitmask of instance slots, with a longest-prefix lookup.",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = core_new,
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_methods = core_methods,
+    .tp_as_sequence = &core_as_sequence,
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "index._table_core",
+    .m_doc = "The compiled core of index.table.BlockTable.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__table_core(void)
+{
+    if (PyType_Ready(&CoreType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&CoreType);
+    if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(&CoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

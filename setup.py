@@ -1,0 +1,9 @@
+"""Build of the optional compiled core of ``index.table`` (``index/_table_core.c``).
+
+Everything else is in pyproject.toml. The extension is optional: where it does not compile (no C
+compiler), the install still succeeds and ``index.table`` uses its pure-Python table.
+"""
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("index._table_core", ["index/_table_core.c"],
+                             extra_compile_args=["-O3", "-std=c11"], optional=True)])
