@@ -18,6 +18,11 @@ Parts, each with the limit it is compared with, measured in the same run:
    1M blocks indexed, measured on ``index.table.BlockTable`` directly: the mirror answers lookups
    with exactly that structure, so the etcd side adds nothing to a lookup. Then memory per indexed
    block (tracemalloc) and how the cost grows with prompt length, instances and blocks indexed.
+5. Dynamo (``bench/_index_dynamo.py``): the same workload in ``BlockTable`` and in Dynamo's Rust
+   ``RadixTree`` (``ai-dynamo-runtime``, in the bench extras: ``pip install -e '.[bench]'``) at
+   8/64/256 workers and 1M blocks, pinned to one CPU: lookup p50/p99 and apply rate of both, with
+   the ratios, every lookup answer checked equal; plus our etcd mirror's segment-apply rate and
+   memory per block. ``--parts dynamo`` runs it alone (about 2 minutes).
 
 Writes bench/results/index.json.
 """
@@ -41,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import _index_scale  # noqa: E402  (bench/ is the script's directory)
+from _index_dynamo import dynamo_part  # noqa: E402
 from _index_lookup import cpu_parts, show  # noqa: E402
 
 from index.etcd import EtcdClient, EtcdSettings  # noqa: E402
@@ -334,9 +340,10 @@ def scale_part(args: argparse.Namespace, write: dict[str, Any]) -> list[dict[str
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes, about a minute")
-    p.add_argument("--parts", default="etcd,scale,lookup",
+    p.add_argument("--parts", default="etcd,scale,lookup,dynamo",
                    help="comma-separated parts to run: etcd (write path, churn), scale (writer "
-                        "processes at once), lookup")
+                        "processes at once), lookup, dynamo (ours vs Dynamo's RadixTree; pins the "
+                        "process to one CPU, so it runs last)")
     p.add_argument("--periodic-retention", default=None,
                    help="auto-compaction retention of the periodic-mode churn run (default 10s, "
                         "5s with --quick): a time-compressed stand-in for a production 1m")
@@ -368,6 +375,8 @@ def main() -> int:
         results["scale"] = scale_part(args, results.get("write", {}))
     if "lookup" in args.parts:
         results.update(cpu_parts(args))
+    if "dynamo" in args.parts:
+        results["dynamo"] = dynamo_part(args.blocks, args.lookups)
     results["wall_s"] = time.time() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1, default=float))
