@@ -1,10 +1,17 @@
 /* index._table_core: the hot part of index.table.BlockTable, in C.
  *
- * One open-addressing hash table (linear probing, backward-shift deletion) from a uint64 block
- * hash to a bitmask of instance slots. A bucket is the key followed by the mask's `words` uint64
- * words, contiguous, so that one probe touches one cache line; an all-zero mask marks an empty
- * bucket (a block nobody holds is not stored), so any uint64, 0 included, can be a key. The
- * table widens (more words per bucket) when a slot beyond the mask's width is first used.
+ * Which instance slots hold which block, as two arrays:
+ *
+ * - `entries`: dense, one per distinct block: its uint64 hash followed by the bitmask of the
+ *   slots holding it, `words` uint64 words (64 slots each; widened when a slot beyond is first
+ *   used). A block nobody holds any more is removed by moving the last entry into its place, so
+ *   the array has no holes and grows by a quarter at a time: memory stays close to the blocks
+ *   held (the issue's budget is 100 B per block in the mirror, at 256 instances too).
+ * - `index`: an open-addressing hash table (linear probing, backward-shift deletion, no
+ *   tombstones) of uint32 positions in `entries`, at most 3/4 full.
+ *
+ * A lookup probe costs two cache misses (index, entry) on a table larger than the CPU caches;
+ * `lookup` hides them by prefetching the index bucket 16 blocks ahead and the entry 8 ahead.
  *
  * Everything else of BlockTable (instance names <-> slots, media, versions) stays in Python
  * (index/table_core.py). All memory comes from PyMem_* so that tracemalloc sees it. Every entry
@@ -15,22 +22,26 @@
 #include <stdint.h>
 #include <string.h>
 
-/* Grow when more than 3/4 of the buckets are used: probes stay short for hits and misses. */
+/* Grow the index when more than 3/4 of its buckets are used: probes stay short. */
 #define LOAD_NUM 3
 #define LOAD_DEN 4
 #define MIN_CAP 64
-/* How many blocks ahead a lookup prefetches the bucket of: enough to overlap the cache misses
- * of a table far larger than the CPU caches. */
-#define PREFETCH_AHEAD 8
+#define EMPTY UINT32_MAX
+#define MAX_ENTRIES ((Py_ssize_t)UINT32_MAX - 1)
+/* How many blocks ahead a lookup prefetches the index bucket, and the entry, of. */
+#define PREFETCH_INDEX 16
+#define PREFETCH_ENTRY 8
 /* Prompt blocks converted on the stack; a longer prompt takes a heap buffer. */
 #define STACK_BLOCKS 512
 
 typedef struct {
     PyObject_HEAD
-    uint64_t *buckets;   /* cap * (1 + words) uint64: key, then mask words */
+    uint32_t *index;     /* cap buckets: a position in entries, or EMPTY */
     Py_ssize_t cap;      /* 0 or a power of two */
-    Py_ssize_t size;     /* buckets in use (distinct blocks) */
-    Py_ssize_t words;    /* mask words per bucket (64 slots each) */
+    uint64_t *entries;   /* alloc * (1 + words) uint64: hash, then mask words */
+    Py_ssize_t alloc;    /* entries allocated */
+    Py_ssize_t size;     /* entries in use (distinct blocks) */
+    Py_ssize_t words;    /* mask words per entry */
     Py_ssize_t *counts;  /* blocks held per slot, words * 64 of them */
 } Core;
 
@@ -56,127 +67,168 @@ static inline int mask_empty(const uint64_t *m, Py_ssize_t words)
     return 1;
 }
 
-static inline uint64_t *bucket_at(const Core *self, Py_ssize_t i)
+static inline uint64_t *entry_at(const Core *self, Py_ssize_t e)
 {
-    return self->buckets + (size_t)i * (size_t)(1 + self->words);
+    return self->entries + (size_t)e * (size_t)(1 + self->words);
 }
 
-/* The bucket holding `key`, or NULL. */
-static inline uint64_t *find(const Core *self, uint64_t key)
+static inline Py_ssize_t home(const Core *self, uint64_t key)
+{
+    return (Py_ssize_t)(mix(key) & (uint64_t)(self->cap - 1));
+}
+
+/* The index bucket of `key`, or -1. */
+static inline Py_ssize_t find_bucket(const Core *self, uint64_t key)
 {
     if (self->cap == 0) {
-        return NULL;
+        return -1;
     }
     Py_ssize_t cmask = self->cap - 1;
-    Py_ssize_t i = (Py_ssize_t)(mix(key) & (uint64_t)cmask);
-    for (;;) {
-        uint64_t *b = bucket_at(self, i);
-        if (mask_empty(b + 1, self->words)) {
-            return NULL;
+    for (Py_ssize_t i = home(self, key);; i = (i + 1) & cmask) {
+        uint32_t e = self->index[i];
+        if (e == EMPTY) {
+            return -1;
         }
-        if (b[0] == key) {
-            return b;
+        if (entry_at(self, e)[0] == key) {
+            return i;
         }
-        i = (i + 1) & cmask;
     }
 }
 
-/* Rebuild into `cap` buckets of `words` mask words (grow, shrink or widen). */
-static int rebuild(Core *self, Py_ssize_t cap, Py_ssize_t words)
+/* The entry of `key` (its hash word; the mask follows), or NULL. */
+static inline uint64_t *find(const Core *self, uint64_t key)
 {
-    Py_ssize_t stride = 1 + words;
-    if (cap > PY_SSIZE_T_MAX / stride / (Py_ssize_t)sizeof(uint64_t)) {
+    Py_ssize_t i = find_bucket(self, key);
+    return i < 0 ? NULL : entry_at(self, self->index[i]);
+}
+
+/* A new index of `cap` buckets pointing at every entry. */
+static int reindex(Core *self, Py_ssize_t cap)
+{
+    if (cap > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(uint32_t)) {
         PyErr_NoMemory();
         return -1;
     }
-    uint64_t *nb = PyMem_Calloc((size_t)cap * (size_t)stride, sizeof(uint64_t));
-    if (nb == NULL) {
+    uint32_t *ni = PyMem_Malloc((size_t)cap * sizeof(uint32_t));
+    if (ni == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    if (words != self->words) {
-        Py_ssize_t *nc = PyMem_Calloc((size_t)words * 64, sizeof(Py_ssize_t));
-        if (nc == NULL) {
-            PyMem_Free(nb);
-            PyErr_NoMemory();
-            return -1;
-        }
-        if (self->counts != NULL) {
-            memcpy(nc, self->counts, (size_t)self->words * 64 * sizeof(Py_ssize_t));
-        }
-        PyMem_Free(self->counts);
-        self->counts = nc;
-    }
-    Py_ssize_t cmask = cap - 1;
-    Py_ssize_t size = 0;
-    for (Py_ssize_t i = 0; i < self->cap; i++) {
-        uint64_t *b = bucket_at(self, i);
-        if (mask_empty(b + 1, self->words)) {
-            continue;
-        }
-        Py_ssize_t j = (Py_ssize_t)(mix(b[0]) & (uint64_t)cmask);
-        while (!mask_empty(nb + (size_t)j * stride + 1, words)) {
-            j = (j + 1) & cmask;
-        }
-        uint64_t *d = nb + (size_t)j * stride;
-        d[0] = b[0];
-        memcpy(d + 1, b + 1, (size_t)self->words * sizeof(uint64_t));
-        size++;
-    }
-    PyMem_Free(self->buckets);
-    self->buckets = nb;
+    memset(ni, 0xff, (size_t)cap * sizeof(uint32_t)); /* every bucket EMPTY */
+    PyMem_Free(self->index);
+    self->index = ni;
     self->cap = cap;
-    self->words = words;
-    self->size = size;
+    Py_ssize_t cmask = cap - 1;
+    for (Py_ssize_t e = 0; e < self->size; e++) {
+        Py_ssize_t i = home(self, entry_at(self, e)[0]);
+        while (ni[i] != EMPTY) {
+            i = (i + 1) & cmask;
+        }
+        ni[i] = (uint32_t)e;
+    }
     return 0;
 }
 
-/* The bucket of `key`, inserted (with an empty mask the caller must fill) if absent. */
+/* Make room for `words` mask words per entry (more slots than the masks had). */
+static int widen(Core *self, Py_ssize_t words)
+{
+    Py_ssize_t stride = 1 + words, alloc = self->alloc;
+    if (alloc > PY_SSIZE_T_MAX / stride / (Py_ssize_t)sizeof(uint64_t)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t *ne = alloc ? PyMem_Calloc((size_t)alloc * (size_t)stride, sizeof(uint64_t)) : NULL;
+    Py_ssize_t *nc = PyMem_Calloc((size_t)words * 64, sizeof(Py_ssize_t));
+    if ((alloc && ne == NULL) || nc == NULL) {
+        PyMem_Free(ne);
+        PyMem_Free(nc);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t e = 0; e < self->size; e++) {
+        memcpy(ne + (size_t)e * stride, entry_at(self, e),
+               (size_t)(1 + self->words) * sizeof(uint64_t));
+    }
+    memcpy(nc, self->counts, (size_t)self->words * 64 * sizeof(Py_ssize_t));
+    PyMem_Free(self->entries);
+    PyMem_Free(self->counts);
+    self->entries = ne;
+    self->counts = nc;
+    self->words = words;
+    return 0;
+}
+
+/* The entry of `key`, appended with an empty mask (the caller fills it) if absent. */
 static uint64_t *find_or_insert(Core *self, uint64_t key)
 {
+    Py_ssize_t i = find_bucket(self, key);
+    if (i >= 0) {
+        return entry_at(self, self->index[i]);
+    }
+    if (self->size >= MAX_ENTRIES) {
+        PyErr_SetString(PyExc_OverflowError, "block table full (2**32 - 2 blocks)");
+        return NULL;
+    }
     if ((self->size + 1) * LOAD_DEN > self->cap * LOAD_NUM) {
-        if (rebuild(self, self->cap ? self->cap * 2 : MIN_CAP, self->words) < 0) {
+        if (reindex(self, self->cap ? self->cap * 2 : MIN_CAP) < 0) {
             return NULL;
         }
     }
-    Py_ssize_t cmask = self->cap - 1;
-    Py_ssize_t i = (Py_ssize_t)(mix(key) & (uint64_t)cmask);
-    for (;;) {
-        uint64_t *b = bucket_at(self, i);
-        if (mask_empty(b + 1, self->words)) {
-            b[0] = key;
-            self->size++;
-            return b;
+    Py_ssize_t stride = 1 + self->words;
+    if (self->size == self->alloc) {
+        /* A quarter more at a time (not double): the slack is memory every block pays for. */
+        Py_ssize_t alloc = self->alloc + self->alloc / 4 + MIN_CAP;
+        if (alloc > MAX_ENTRIES) {
+            alloc = MAX_ENTRIES;
         }
-        if (b[0] == key) {
-            return b;
+        if (alloc > PY_SSIZE_T_MAX / stride / (Py_ssize_t)sizeof(uint64_t)) {
+            PyErr_NoMemory();
+            return NULL;
         }
-        i = (i + 1) & cmask;
+        uint64_t *ne = PyMem_Realloc(self->entries, (size_t)alloc * stride * sizeof(uint64_t));
+        if (ne == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        self->entries = ne;
+        self->alloc = alloc;
     }
+    Py_ssize_t cmask = self->cap - 1;
+    for (i = home(self, key); self->index[i] != EMPTY; i = (i + 1) & cmask) {
+    }
+    self->index[i] = (uint32_t)self->size;
+    uint64_t *d = entry_at(self, self->size);
+    d[0] = key;
+    memset(d + 1, 0, (size_t)self->words * sizeof(uint64_t));
+    self->size++;
+    return d;
 }
 
-/* Empty bucket `b` (its mask is already zero) and shift back the run after it, so that no
- * probe sequence is broken (no tombstones: lookups of missing blocks stay short). */
-static void delete_at(Core *self, uint64_t *b)
+/* Delete entry `e`, found at index bucket `i` (its mask is already empty). */
+static void delete_entry(Core *self, Py_ssize_t e, Py_ssize_t i)
 {
-    Py_ssize_t stride = 1 + self->words;
     Py_ssize_t cmask = self->cap - 1;
-    Py_ssize_t i = (Py_ssize_t)((b - self->buckets) / stride);
-    Py_ssize_t j = i;
-    for (;;) {
-        j = (j + 1) & cmask;
-        uint64_t *bj = bucket_at(self, j);
-        if (mask_empty(bj + 1, self->words)) {
-            break;
-        }
-        Py_ssize_t home = (Py_ssize_t)(mix(bj[0]) & (uint64_t)cmask);
-        /* bj may fill the hole at i when i lies on its probe path, from home to j. */
-        if (((j - home) & cmask) >= ((j - i) & cmask)) {
-            memcpy(bucket_at(self, i), bj, (size_t)stride * sizeof(uint64_t));
+    /* Shift back the run after bucket i, so that no probe sequence is broken. */
+    for (Py_ssize_t j = (i + 1) & cmask; self->index[j] != EMPTY; j = (j + 1) & cmask) {
+        Py_ssize_t h = home(self, entry_at(self, self->index[j])[0]);
+        /* Bucket j may fill the hole at i when i lies on its probe path, from h to j. */
+        if (((j - h) & cmask) >= ((j - i) & cmask)) {
+            self->index[i] = self->index[j];
             i = j;
         }
     }
-    memset(bucket_at(self, i), 0, (size_t)stride * sizeof(uint64_t));
+    self->index[i] = EMPTY;
+    /* Move the last entry into the hole, and repoint its bucket. */
+    Py_ssize_t last = self->size - 1;
+    if (e != last) {
+        uint64_t *src = entry_at(self, last);
+        memcpy(entry_at(self, e), src, (size_t)(1 + self->words) * sizeof(uint64_t));
+        Py_ssize_t k = home(self, src[0]);
+        while (self->index[k] != (uint32_t)last) {
+            k = (k + 1) & cmask;
+        }
+        self->index[k] = (uint32_t)e;
+    }
     self->size--;
 }
 
@@ -269,8 +321,7 @@ static PyObject *core_add(Core *self, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t added = 0;
     if (slot >= self->words * 64) {
-        Py_ssize_t cap = self->cap ? self->cap : MIN_CAP;
-        if (rebuild(self, cap, slot / 64 + 1) < 0) {
+        if (widen(self, slot / 64 + 1) < 0) {
             goto fail;
         }
     }
@@ -320,14 +371,18 @@ static PyObject *core_remove(Core *self, PyObject *const *args, Py_ssize_t nargs
         Py_ssize_t w = slot / 64;
         uint64_t bit = (uint64_t)1 << (slot % 64);
         for (Py_ssize_t i = 0; i < n; i++) {
-            uint64_t *b = find(self, hs[i]);
-            if (b == NULL || !(b[1 + w] & bit)) {
+            Py_ssize_t k = find_bucket(self, hs[i]);
+            if (k < 0) {
+                continue;
+            }
+            uint64_t *b = entry_at(self, self->index[k]);
+            if (!(b[1 + w] & bit)) {
                 continue;
             }
             b[1 + w] &= ~bit;
             removed++;
             if (mask_empty(b + 1, self->words)) {
-                delete_at(self, b);
+                delete_entry(self, self->index[k], k);
             }
         }
         self->counts[slot] -= removed;
@@ -350,16 +405,20 @@ static PyObject *core_clear_slot(Core *self, PyObject *arg)
     Py_ssize_t w = slot / 64;
     uint64_t bit = (uint64_t)1 << (slot % 64);
     Py_ssize_t removed = 0;
-    for (Py_ssize_t i = 0; i < self->cap; i++) {
-        uint64_t *b = bucket_at(self, i);
-        /* A deletion shifts a later bucket back into i: look at i again until it is one this
-         * slot does not hold. Only buckets already scanned can wrap around to before i. */
-        while (b[1 + w] & bit) {
-            b[1 + w] &= ~bit;
-            removed++;
-            if (mask_empty(b + 1, self->words)) {
-                delete_at(self, b);
-            }
+    for (Py_ssize_t e = 0; e < self->size;) {
+        uint64_t *b = entry_at(self, e);
+        if (!(b[1 + w] & bit)) {
+            e++;
+            continue;
+        }
+        b[1 + w] &= ~bit;
+        removed++;
+        if (mask_empty(b + 1, self->words)) {
+            /* The last entry moves into e: look at e again. */
+            delete_entry(self, e, find_bucket(self, b[0]));
+        }
+        else {
+            e++;
         }
     }
     self->counts[slot] = 0;
@@ -414,8 +473,8 @@ static PyObject *core_slot_blocks(Core *self, PyObject *arg)
     }
     Py_ssize_t w = slot / 64;
     uint64_t bit = (uint64_t)1 << (slot % 64);
-    for (Py_ssize_t i = 0; i < self->cap; i++) {
-        uint64_t *b = bucket_at(self, i);
+    for (Py_ssize_t e = 0; e < self->size; e++) {
+        uint64_t *b = entry_at(self, e);
         if (b[1 + w] & bit) {
             PyObject *h = PyLong_FromUnsignedLongLong(b[0]);
             if (h == NULL || PyList_Append(out, h) < 0) {
@@ -472,20 +531,26 @@ static PyObject *core_lookup(Core *self, PyObject *const *args, Py_ssize_t nargs
     if (out == NULL || first == NULL) {
         goto done;
     }
-    Py_ssize_t words = self->words, stride = 1 + words, cmask = self->cap - 1;
+    Py_ssize_t words = self->words;
     if (words > 16 && (act = PyMem_Malloc((size_t)words * sizeof(uint64_t))) == NULL) {
         PyErr_NoMemory();
         Py_CLEAR(out);
         goto done;
     }
     memcpy(act, first + 1, (size_t)words * sizeof(uint64_t));
-    for (Py_ssize_t i = 1; i < PREFETCH_AHEAD && i < n; i++) {
-        __builtin_prefetch(self->buckets + (size_t)(mix(hs[i]) & (uint64_t)cmask) * stride);
+    for (Py_ssize_t i = 1; i < PREFETCH_INDEX && i < n; i++) {
+        __builtin_prefetch(self->index + home(self, hs[i]));
     }
     for (Py_ssize_t i = 1; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n) {
-            __builtin_prefetch(self->buckets +
-                               (size_t)(mix(hs[i + PREFETCH_AHEAD]) & (uint64_t)cmask) * stride);
+        /* Two stages: the bucket far ahead, then the entry of a bucket fetched by now. */
+        if (i + PREFETCH_INDEX < n) {
+            __builtin_prefetch(self->index + home(self, hs[i + PREFETCH_INDEX]));
+        }
+        if (i + PREFETCH_ENTRY < n) {
+            uint32_t e = self->index[home(self, hs[i + PREFETCH_ENTRY])];
+            if (e != EMPTY) {
+                __builtin_prefetch(entry_at(self, e));
+            }
         }
         const uint64_t *b = find(self, hs[i]);
         int alive = 0;
@@ -522,7 +587,8 @@ done:
 
 static PyObject *core_memory(Core *self, PyObject *Py_UNUSED(ignored))
 {
-    size_t bytes = (size_t)self->cap * (size_t)(1 + self->words) * sizeof(uint64_t) +
+    size_t bytes = (size_t)self->cap * sizeof(uint32_t) +
+                   (size_t)self->alloc * (size_t)(1 + self->words) * sizeof(uint64_t) +
                    (size_t)self->words * 64 * sizeof(Py_ssize_t);
     return PyLong_FromSize_t(bytes);
 }
@@ -553,7 +619,8 @@ static PyObject *core_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 
 static void core_dealloc(Core *self)
 {
-    PyMem_Free(self->buckets);
+    PyMem_Free(self->index);
+    PyMem_Free(self->entries);
     PyMem_Free(self->counts);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
