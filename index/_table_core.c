@@ -19,6 +19,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -29,8 +30,8 @@
 #define EMPTY UINT32_MAX
 #define MAX_ENTRIES ((Py_ssize_t)UINT32_MAX - 1)
 /* How many blocks ahead a lookup prefetches the index bucket, and the entry, of. */
-#define PREFETCH_INDEX 16
-#define PREFETCH_ENTRY 8
+#define PREFETCH_INDEX 32
+#define PREFETCH_ENTRY 16
 /* Prompt blocks converted on the stack; a longer prompt takes a heap buffer. */
 #define STACK_BLOCKS 512
 
@@ -234,6 +235,16 @@ static void delete_entry(Core *self, Py_ssize_t e, Py_ssize_t i)
 
 /* --- argument conversion ------------------------------------------------------------------ */
 
+/* Not PyLong_AsUnsignedLongLong where unsigned long has 64 bits: for a multi-digit int it goes
+ * through a byte array, at several times the cost, and a lookup converts every prompt block. */
+#if ULONG_MAX == UINT64_MAX
+#define U64_FROM_INT PyLong_AsUnsignedLong
+#define U64_FROM_INT_T unsigned long
+#else
+#define U64_FROM_INT PyLong_AsUnsignedLongLong
+#define U64_FROM_INT_T unsigned long long
+#endif
+
 static int to_u64(PyObject *o, uint64_t *out)
 {
     if (!PyLong_Check(o)) {
@@ -241,8 +252,8 @@ static int to_u64(PyObject *o, uint64_t *out)
                      Py_TYPE(o)->tp_name);
         return -1;
     }
-    unsigned long long v = PyLong_AsUnsignedLongLong(o);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+    U64_FROM_INT_T v = U64_FROM_INT(o);
+    if (v == (U64_FROM_INT_T)-1 && PyErr_Occurred()) {
         if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
             PyErr_Clear();
             PyErr_Format(PyExc_OverflowError,
@@ -302,20 +313,28 @@ static uint64_t *convert(PyObject *seq, uint64_t *stack, Py_ssize_t *n_out)
     return buf;
 }
 
+/* The (slot, hashes) arguments of add and remove: the hashes as `convert` returns them. */
+static uint64_t *slot_and_hashes(Core *self, PyObject *const *args, Py_ssize_t nargs,
+                                 const char *usage, Py_ssize_t *slot, uint64_t *stack,
+                                 Py_ssize_t *n)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return NULL;
+    }
+    if (to_slot(self, args[0], slot) < 0) {
+        return NULL;
+    }
+    return convert(args[1], stack, n);
+}
+
 /* --- methods ------------------------------------------------------------------------------ */
 
 static PyObject *core_add(Core *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Py_ssize_t slot, n;
     uint64_t stack[STACK_BLOCKS];
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "add(slot, hashes)");
-        return NULL;
-    }
-    if (to_slot(self, args[0], &slot) < 0) {
-        return NULL;
-    }
-    uint64_t *hs = convert(args[1], stack, &n);
+    uint64_t *hs = slot_and_hashes(self, args, nargs, "add(slot, hashes)", &slot, stack, &n);
     if (hs == NULL) {
         return NULL;
     }
@@ -355,14 +374,7 @@ static PyObject *core_remove(Core *self, PyObject *const *args, Py_ssize_t nargs
 {
     Py_ssize_t slot, n;
     uint64_t stack[STACK_BLOCKS];
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "remove(slot, hashes)");
-        return NULL;
-    }
-    if (to_slot(self, args[0], &slot) < 0) {
-        return NULL;
-    }
-    uint64_t *hs = convert(args[1], stack, &n);
+    uint64_t *hs = slot_and_hashes(self, args, nargs, "remove(slot, hashes)", &slot, stack, &n);
     if (hs == NULL) {
         return NULL;
     }
@@ -517,6 +529,7 @@ static PyObject *core_lookup(Core *self, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t n;
     uint64_t stack[STACK_BLOCKS];
     uint64_t active[16], *act = active;
+    uint32_t homes_stack[STACK_BLOCKS], *homes = homes_stack;
     if (nargs != 2 || !PyList_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "lookup(hashes, names: list)");
         return NULL;
@@ -538,21 +551,43 @@ static PyObject *core_lookup(Core *self, PyObject *const *args, Py_ssize_t nargs
         goto done;
     }
     memcpy(act, first + 1, (size_t)words * sizeof(uint64_t));
-    for (Py_ssize_t i = 1; i < PREFETCH_INDEX && i < n; i++) {
-        __builtin_prefetch(self->index + home(self, hs[i]));
+    /* Each block's index bucket, computed once (the walk and both prefetches need it). */
+    if (n > STACK_BLOCKS && (homes = PyMem_Malloc((size_t)n * sizeof(uint32_t))) == NULL) {
+        PyErr_NoMemory();
+        Py_CLEAR(out);
+        goto done;
+    }
+    const uint32_t *index = self->index;
+    const Py_ssize_t cmask = self->cap - 1, stride = 1 + words;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        homes[i] = (uint32_t)(mix(hs[i]) & (uint64_t)cmask);
+        if (i < PREFETCH_INDEX) {
+            __builtin_prefetch(index + homes[i]);
+        }
     }
     for (Py_ssize_t i = 1; i < n; i++) {
         /* Two stages: the bucket far ahead, then the entry of a bucket fetched by now. */
         if (i + PREFETCH_INDEX < n) {
-            __builtin_prefetch(self->index + home(self, hs[i + PREFETCH_INDEX]));
+            __builtin_prefetch(index + homes[i + PREFETCH_INDEX]);
         }
         if (i + PREFETCH_ENTRY < n) {
-            uint32_t e = self->index[home(self, hs[i + PREFETCH_ENTRY])];
+            uint32_t e = index[homes[i + PREFETCH_ENTRY]];
             if (e != EMPTY) {
-                __builtin_prefetch(entry_at(self, e));
+                __builtin_prefetch(self->entries + (size_t)e * stride);
             }
         }
-        const uint64_t *b = find(self, hs[i]);
+        const uint64_t *b = NULL;
+        for (Py_ssize_t j = homes[i];; j = (j + 1) & cmask) {
+            uint32_t e = index[j];
+            if (e == EMPTY) {
+                break;
+            }
+            const uint64_t *c = self->entries + (size_t)e * stride;
+            if (c[0] == hs[i]) {
+                b = c;
+                break;
+            }
+        }
         int alive = 0;
         for (Py_ssize_t w = 0; w < words; w++) {
             uint64_t nxt = b != NULL ? act[w] & b[1 + w] : 0;
@@ -578,6 +613,9 @@ static PyObject *core_lookup(Core *self, PyObject *const *args, Py_ssize_t nargs
 done:
     if (act != active) {
         PyMem_Free(act);
+    }
+    if (homes != homes_stack) {
+        PyMem_Free(homes);
     }
     if (hs != stack) {
         PyMem_Free(hs);

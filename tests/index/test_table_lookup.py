@@ -5,20 +5,9 @@ import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from table_backends import table_classes
+from table_backends import longest_prefixes, table_classes
 
 from index.table import TableBase
-
-
-def reference(table_blocks: dict[str, set[int]], hashes: list[int]) -> dict[str, int]:
-    out = {}
-    for name, held in table_blocks.items():
-        k = 0
-        while k < len(hashes) and hashes[k] in held:
-            k += 1
-        if k:
-            out[name] = k
-    return out
 
 
 @table_classes
@@ -37,8 +26,8 @@ def test_lookup_matches_reference(table_cls: type[TableBase], n: int, instances:
         blocks |= {rng.getrandbits(64) for _ in range(3)}
         table.apply_add(name, blocks)
         held[name] = blocks
-    assert table.lookup(hashes) == reference(held, hashes)
-    assert table.lookup(tuple(hashes)) == reference(held, hashes)
+    assert table.lookup(hashes) == longest_prefixes(held, hashes)
+    assert table.lookup(tuple(hashes)) == longest_prefixes(held, hashes)
 
 
 @table_classes
