@@ -22,7 +22,7 @@ Parts, each with the limit it is compared with, measured in the same run:
    ``RadixTree`` (``ai-dynamo-runtime``, in the bench extras: ``pip install -e '.[bench]'``) at
    8/64/256 workers and 1M blocks, pinned to one CPU: lookup p50/p99 and apply rate of both, with
    the ratios, every lookup answer checked equal; plus our etcd mirror's segment-apply rate and
-   memory per block. ``--parts dynamo`` runs it alone (about 2 minutes).
+   memory per block. ``--parts dynamo`` runs it alone (about a minute).
 
 Writes bench/results/index.json.
 """
