@@ -149,7 +149,7 @@ def cpu_parts(args: argparse.Namespace) -> dict[str, Any]:
          "O(instances/64) words"),
         (f"blocks {small['blocks']:,} -> {big['blocks']:,} (64 inst, 256 blocks)",
          f"p50 {small['p50_us']:.1f} -> {big['p50_us']:.1f} us: x{big['p50_us'] / small['p50_us']:.2f}"
-         " for 10x the blocks; still one dict probe per prompt block, only the CPU caches miss "
+         " for 10x the blocks; still one hash probe per prompt block, only the CPU caches miss "
          "more"),
         ("goal p99 < 200 us, 256-block prompt, 1M",
          "wall " + " / ".join(f"{g[f'{i}x256']['p99_us']:.0f}" for i in (8, 64, 256))
