@@ -11,7 +11,7 @@ import time
 import tracemalloc
 from typing import Any
 
-from index.table import BlockTable
+from index.table import BACKEND, BlockTable
 
 
 def pct(values: list[float], q: float) -> float:
@@ -121,13 +121,15 @@ def cpu_parts(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {}
     grid = lookups(args.blocks, [8, 64, 256], [64, 256, 1024], args.lookups)
     res["lookup"] = grid
+    res["table_backend"] = BACKEND
     rows = []
     for r in grid.values():
         rows.append((f"{r['instances']:>3} inst, {r['prompt_blocks']:>4}-block prompt",
                      f"p50 {r['p50_us']:6.1f} us  p99 {r['p99_us']:7.1f} us  "
                      f"(cpu p99 {r['cpu_p99_us']:6.1f} us)  {r['lookups_s']:>7,.0f}/s  "
                      f"{r['ns_per_block_p50']:4.0f} ns/block"))
-    show(f"lookup, {grid['8x64']['blocks']:,} blocks indexed (BlockTable = the mirror's structure;"
+    show(f"lookup, {grid['8x64']['blocks']:,} blocks indexed (BlockTable, {BACKEND} = the mirror's "
+         "structure;"
          " full-prompt hits, the worst case; best p99 of 3 rounds)", rows)
     small = lookups(args.blocks // 10, [64], [256], args.lookups)["64x256"]
     big = grid["64x256"]
@@ -143,11 +145,11 @@ def cpu_parts(args: argparse.Namespace) -> dict[str, Any]:
          f"{g['64x1024']['ns_per_block_p50']:.0f} ns per prompt block)"),
         ("instances 8 -> 256 (256 blocks)",
          f"p50 {g['8x256']['p50_us']:.1f} -> {g['256x256']['p50_us']:.1f} us: "
-         f"x{g['256x256']['p50_us'] / g['8x256']['p50_us']:.2f}; one big-int AND per block, "
+         f"x{g['256x256']['p50_us'] / g['8x256']['p50_us']:.2f}; one mask AND per block, "
          "O(instances/64) words"),
         (f"blocks {small['blocks']:,} -> {big['blocks']:,} (64 inst, 256 blocks)",
          f"p50 {small['p50_us']:.1f} -> {big['p50_us']:.1f} us: x{big['p50_us'] / small['p50_us']:.2f}"
-         " for 10x the blocks; still one dict probe per prompt block, only the CPU caches miss "
+         " for 10x the blocks; still one hash probe per prompt block, only the CPU caches miss "
          "more"),
         ("goal p99 < 200 us, 256-block prompt, 1M",
          "wall " + " / ".join(f"{g[f'{i}x256']['p99_us']:.0f}" for i in (8, 64, 256))

@@ -1,6 +1,6 @@
 """Benchmark of the etcd block index (issue #3, Performance): one run prints everything.
 
-  .venv/bin/python bench/index.py            # about 3 minutes
+  .venv/bin/python bench/index.py            # about 10 minutes
   .venv/bin/python bench/index.py --quick    # about 1 minute, smaller sizes
 
 Parts, each with the limit it is compared with, measured in the same run:
@@ -21,6 +21,11 @@ Parts, each with the limit it is compared with, measured in the same run:
    1M blocks indexed, measured on ``index.table.BlockTable`` directly: the mirror answers lookups
    with exactly that structure, so the etcd side adds nothing to a lookup. Then memory per indexed
    block (tracemalloc) and how the cost grows with prompt length, instances and blocks indexed.
+6. Dynamo (``bench/_index_dynamo.py``): the same workload in ``BlockTable`` and in Dynamo's Rust
+   ``RadixTree`` (``ai-dynamo-runtime``, in the bench extras: ``pip install -e '.[bench]'``) at
+   8/64/256 workers and 1M blocks, pinned to one CPU: lookup p50/p99 and apply rate of both, with
+   the ratios, every lookup answer checked equal; plus our etcd mirror's segment-apply rate and
+   memory per block. ``--parts dynamo`` runs it alone (about a minute).
 
 Writes bench/results/index.json.
 """
@@ -44,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import _index_scale  # noqa: E402  (bench/ is the script's directory)
+from _index_dynamo import dynamo_part  # noqa: E402
 from _index_lookup import cpu_parts, show  # noqa: E402
 
 from index.etcd import EtcdClient, EtcdSettings  # noqa: E402
@@ -337,9 +343,11 @@ def scale_part(args: argparse.Namespace, write: dict[str, Any]) -> list[dict[str
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller sizes, about a minute")
-    p.add_argument("--parts", default="etcd,scale,shards,lookup",
+    p.add_argument("--parts", default="etcd,scale,shards,lookup,dynamo",
                    help="comma-separated parts to run: etcd (write path, churn), scale (writer "
-                        "processes at once), shards (changes/s over 1/2/4 etcds), lookup")
+                        "processes at once), shards (changes/s over 1/2/4 etcds), lookup, dynamo "
+                        "(ours vs Dynamo's RadixTree; pins the process to one CPU, so it runs "
+                        "last)")
     p.add_argument("--etcd-cpu", type=float, default=0.25,
                    help="part shards: cores each etcd is capped at (cgroup v1; needs root)")
     p.add_argument("--periodic-retention", default=None,
@@ -375,6 +383,8 @@ def main() -> int:
         results["shards"] = _index_scale.shards_part(q, args.etcd_cpu, args.capacity, show)
     if "lookup" in args.parts:
         results.update(cpu_parts(args))
+    if "dynamo" in args.parts:
+        results["dynamo"] = dynamo_part(args.blocks, args.lookups)
     results["wall_s"] = time.time() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1, default=float))

@@ -273,7 +273,9 @@ class BlockMirror(PrefixFollower, IndexReader):
         """Make the table hold ``new`` where it held ``old`` (None: nothing)."""
         was = dict(zip(old.hashes, old.media, strict=True)) if old is not None else {}
         added: dict[str, list[int]] = {}
-        if new is not None:
+        if new is not None and not was:
+            added = new.by_medium()  # a new segment: every block of it is added
+        elif new is not None:
             for h, m in zip(new.hashes, new.media, strict=True):
                 if was.pop(h, None) != m:
                     added.setdefault(m, []).append(h)

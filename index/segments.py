@@ -55,6 +55,10 @@ class Segment:
     """Per block, its medium (``GPU``, ``CPU``, ...)."""
 
     def by_medium(self) -> dict[str, list[int]]:
+        media = self.media
+        if media and media.count(media[0]) == len(media):
+            # One medium (the usual case: all on the GPU): no per-block loop in Python.
+            return {media[0]: list(self.hashes)}
         out: dict[str, list[int]] = {}
         for h, m in zip(self.hashes, self.media, strict=True):
             out.setdefault(m, []).append(h)

@@ -1,31 +1,23 @@
-"""BlockTable.lookup (chunked at C speed) against a block-by-block reference walk."""
+"""BlockTable.lookup of both backends against a block-by-block reference walk."""
 from __future__ import annotations
 
 import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from table_backends import longest_prefixes, table_classes
 
-from index.table import BlockTable
-
-
-def reference(table_blocks: dict[str, set[int]], hashes: list[int]) -> dict[str, int]:
-    out = {}
-    for name, held in table_blocks.items():
-        k = 0
-        while k < len(hashes) and hashes[k] in held:
-            k += 1
-        if k:
-            out[name] = k
-    return out
+from index.table import TableBase
 
 
+@table_classes
 @settings(max_examples=300, deadline=None)
 @given(n=st.integers(0, 140), instances=st.integers(1, 5), seed=st.integers(0, 2**32))
-def test_lookup_matches_reference(n: int, instances: int, seed: int) -> None:
+def test_lookup_matches_reference(table_cls: type[TableBase], n: int, instances: int,
+                                  seed: int) -> None:
     rng = random.Random(seed)
     hashes = [rng.getrandbits(64) for _ in range(n)]
-    table, held = BlockTable(), {}
+    table, held = table_cls(), {}
     for i in range(instances):
         name = f"i{i}"
         # A prefix of random length, sometimes with holes, plus unrelated blocks.
@@ -34,12 +26,13 @@ def test_lookup_matches_reference(n: int, instances: int, seed: int) -> None:
         blocks |= {rng.getrandbits(64) for _ in range(3)}
         table.apply_add(name, blocks)
         held[name] = blocks
-    assert table.lookup(hashes) == reference(held, hashes)
-    assert table.lookup(tuple(hashes)) == reference(held, hashes)
+    assert table.lookup(hashes) == longest_prefixes(held, hashes)
+    assert table.lookup(tuple(hashes)) == longest_prefixes(held, hashes)
 
 
-def test_version_changes_on_every_write_and_is_unique() -> None:
-    a, b = BlockTable(), BlockTable()
+@table_classes
+def test_version_changes_on_every_write_and_is_unique(table_cls: type[TableBase]) -> None:
+    a, b = table_cls(), table_cls()
     assert a.version == b.version == 0
     b.apply_add("x", [1, 2])
     versions = [a.version]

@@ -16,6 +16,8 @@ from router.kv_aware import KvAware
 from router.policy import Choice, RouteContext
 from router.workers import Worker
 
+# Block hashes are unsigned 64-bit ints (index.hashing); Python's hash() may be negative.
+U64 = 2**64 - 1
 HEADER = "<|system|>\nYou are a helpful assistant.\n"  # > 1 block: shared by every prompt
 
 
@@ -100,7 +102,7 @@ def test_without_recent_work_the_shared_header_piles_everything_on_one() -> None
 def test_same_prefix_burst_sticks_before_events_arrive() -> None:
     table = BlockTable()
     for w in ("p0", "p1", "p2", "p3"):  # every instance is known to the index
-        table.apply_add(w, [hash((w, k)) for k in range(5)])
+        table.apply_add(w, [hash((w, k)) & U64 for k in range(5)])
     kv, clock = make_kv(table)
     ws = workers(4)
     text = conversation(7, turns=2)
@@ -115,7 +117,7 @@ def test_same_prefix_burst_sticks_before_events_arrive() -> None:
 def test_evicted_block_is_not_resurrected_by_a_prediction() -> None:
     table = BlockTable()
     for w in ("p0", "p1", "p2"):
-        table.apply_add(w, [hash((w, k)) for k in range(5)])
+        table.apply_add(w, [hash((w, k)) & U64 for k in range(5)])
     kv, clock = make_kv(table, prediction_catch_up=5.0)
     ws = workers(3)
     text = conversation(1, turns=2)
@@ -136,7 +138,7 @@ def test_evicted_block_is_not_resurrected_by_a_prediction() -> None:
 def test_unconfirmed_prediction_lapses_after_the_catch_up_window() -> None:
     table = BlockTable()
     for w in ("p0", "p1", "p2"):
-        table.apply_add(w, [hash((w, k)) for k in range(5)])
+        table.apply_add(w, [hash((w, k)) & U64 for k in range(5)])
     kv, clock = make_kv(table, prediction_catch_up=5.0)
     ws = workers(1)
     warm = route(kv, ws, conversation(40))
