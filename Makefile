@@ -6,7 +6,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test venv bench clean
 
-$(STAMP): pyproject.toml
+# The C sources too: the editable install compiles index/_table_core once, so a change to them
+# must reinstall (or the old extension would keep answering).
+$(STAMP): pyproject.toml setup.py index/_table_core.c index/_table_store.c index/_table_store.h
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[test]'
