@@ -1,8 +1,8 @@
 """``CoreBlockTable``: ``BlockTable`` on the compiled core ``index._table_core`` (see ``index.table``).
 
-The core is one open-addressing hash table from a uint64 block hash to a bitmask of instance
-slots (the key and its mask words side by side, so one probe is one cache line), plus per-slot
-block counts; its ``lookup`` walks a prompt in C, prefetching the buckets of the blocks ahead, and
+The core is a dense array of entries, one per distinct block (its uint64 hash, then the bitmask
+of the instance slots holding it), behind an open-addressing hash index of uint32 positions, plus
+per-slot block counts (``index/_table_store.h``); its ``lookup`` walks a prompt in C, prefetching the buckets of the blocks ahead, and
 builds the ``{instance: matched}`` dict itself. Names, slots, media and the version stay in
 Python (``index.table_py.TableBase``), with the same behaviour as the pure-Python table, except
 that hashes must be unsigned 64-bit ints (what ``index.hashing`` and segments produce): anything
