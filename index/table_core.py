@@ -2,11 +2,12 @@
 
 The core is a dense array of entries, one per distinct block (its uint64 hash, then the bitmask
 of the instance slots holding it), behind an open-addressing hash index of uint32 positions, plus
-per-slot block counts (``index/_table_store.h``); its ``lookup`` walks a prompt in C, prefetching the buckets of the blocks ahead, and
-builds the ``{instance: matched}`` dict itself. Names, slots, media and the version stay in
-Python (``index.table_py.TableBase``), with the same behaviour as the pure-Python table, except
-that hashes must be unsigned 64-bit ints (what ``index.hashing`` and segments produce): anything
-else raises ``TypeError`` or ``OverflowError`` instead of being stored.
+per-slot block counts (``index/_table_store.h``); its ``lookup`` walks a prompt in C,
+prefetching the buckets of the blocks ahead, and builds the ``{instance: matched}`` dict itself.
+Names, slots, media and the version stay in Python (``index.table_py.TableBase``), with the same
+behaviour as the pure-Python table, except that hashes must be unsigned 64-bit ints (what
+``index.hashing`` and segments produce): anything else raises ``TypeError`` or ``OverflowError``
+instead of being stored.
 
 ``blocks`` and ``clear_instance`` scan the whole table (the core keeps no per-instance set: that
 is where the pure table spends most of its memory); both are rare (a reload, an instance gone).
