@@ -12,7 +12,7 @@ from index.keys import validate_instance_id, validate_model
 from index.segments import MalformedSegment, decode
 from kvatlas.cli import CLIError
 from kvatlas.commands._common import key_layout
-from kvatlas.commands._run_dir import block_snapshots
+from kvatlas.commands._run_dir import block_segments
 
 
 def add_dump_parser(sub: Any) -> argparse.ArgumentParser:
@@ -32,7 +32,7 @@ async def fetch_segments(args: argparse.Namespace) -> list[dict[str, Any]]:
     layout = key_layout(args)
     prefix = (layout.blocks_prefix(args.model, args.instance) if args.model
               else layout.blocks_prefix())
-    kvs = [kv for _, _, shard in await block_snapshots(args, prefix) for kv in shard]
+    kvs = await block_segments(args, prefix)
     out: list[dict[str, Any]] = []
     for kv in kvs:
         try:

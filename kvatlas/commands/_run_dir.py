@@ -85,13 +85,11 @@ def index_shard_settings(args: argparse.Namespace) -> list[EtcdSettings]:
     return IndexShards.from_cli_args(args, main).shard_settings(main)
 
 
-async def block_snapshots(args: argparse.Namespace, prefix: bytes
-                          ) -> list[tuple[EtcdSettings, int, list[KeyValue]]]:
-    """Per index shard: its settings, revision and the keys under ``prefix`` (block segments),
-    read from every shard at once."""
-    async def one(settings: EtcdSettings) -> tuple[EtcdSettings, int, list[KeyValue]]:
+async def block_segments(args: argparse.Namespace, prefix: bytes) -> list[KeyValue]:
+    """The keys under ``prefix`` (block segments) of every index shard, read at once."""
+    async def one(settings: EtcdSettings) -> list[KeyValue]:
         async with EtcdClient(settings) as client:
-            revision, kvs = await client.get_prefix(prefix)
-        return settings, revision, kvs
+            return (await client.get_prefix(prefix))[1]
 
-    return list(await asyncio.gather(*(one(s) for s in index_shard_settings(args))))
+    shards = await asyncio.gather(*(one(s) for s in index_shard_settings(args)))
+    return [kv for kvs in shards for kv in kvs]

@@ -36,7 +36,7 @@ from kvatlas.commands._prompt import (
     parse_records,
     tokenizer_source,
 )
-from kvatlas.commands._run_dir import add_cluster_etcd_args, block_snapshots, cluster_etcd_settings
+from kvatlas.commands._run_dir import add_cluster_etcd_args, block_segments, cluster_etcd_settings
 
 logger = logging.getLogger(__name__)
 
@@ -186,8 +186,7 @@ async def fetch_index(args: argparse.Namespace, model: str,
     asked, the instance records (which name each instance's tokenizer), in one etcd session."""
     layout = key_layout(args)
     records: list[InstanceRecord] = []
-    kvs = [kv for _, _, shard in await block_snapshots(args, layout.blocks_prefix(model))
-           for kv in shard]
+    kvs = await block_segments(args, layout.blocks_prefix(model))
     if with_records:
         async with EtcdClient(cluster_etcd_settings(args)) as client:
             _, inst = await client.get_prefix(layout.instances_prefix())
