@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from index.framing import pack
 from index.segment_set import SegmentSet
 from index.segments import (
     MAX_SEGMENT_BLOCKS,
@@ -42,20 +43,15 @@ def test_one_medium_costs_no_index_bytes() -> None:
     assert len(two) - len(one) == 3 + len(msgpack.packb("CPU"))
 
 
-def _raw(header: object, body: bytes = b"") -> bytes:
-    h = msgpack.packb(header)
-    return struct.pack(">I", len(h)) + h + body
-
-
 @pytest.mark.parametrize("raw,reason", [
     (b"\x00", "truncated"),
     (struct.pack(">I", 2) + b"\xc1\xc1", "bad_header"),
     (b'{"m":"GPU","p":null,"t":1.0}', "bad_header"),  # a v1 block value
-    (_raw({"v": 1, "t": 1.0, "p": None, "m": ["GPU"], "n": 0}), "version"),
-    (_raw({"v": 2, "t": 1.0, "p": None, "m": [], "n": 1}, b"\x00" * 8), "bad_header"),
-    (_raw({"v": 2, "t": "x", "p": None, "m": ["GPU"], "n": 0}), "bad_header"),
-    (_raw({"v": 2, "t": 1.0, "p": None, "m": ["GPU"], "n": 2}, b"\x00" * 8), "bad_length"),
-    (_raw({"v": 2, "t": 1.0, "p": None, "m": ["GPU", "CPU"], "n": 1}, b"\x00" * 8 + b"\x07"),
+    (pack({"v": 1, "t": 1.0, "p": None, "m": ["GPU"], "n": 0}), "version"),
+    (pack({"v": 2, "t": 1.0, "p": None, "m": [], "n": 1}, b"\x00" * 8), "bad_header"),
+    (pack({"v": 2, "t": "x", "p": None, "m": ["GPU"], "n": 0}), "bad_header"),
+    (pack({"v": 2, "t": 1.0, "p": None, "m": ["GPU"], "n": 2}, b"\x00" * 8), "bad_length"),
+    (pack({"v": 2, "t": 1.0, "p": None, "m": ["GPU", "CPU"], "n": 1}, b"\x00" * 8 + b"\x07"),
      "bad_medium"),
 ])
 def test_a_malformed_value_names_its_reason(raw: bytes, reason: str) -> None:

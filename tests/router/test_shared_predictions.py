@@ -7,7 +7,6 @@ import struct
 import time
 from collections.abc import Callable
 
-import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -15,6 +14,7 @@ from router_stubs import encode_text
 from test_kv_aware import conversation, make_kv, route, workers
 
 from index.etcd import EtcdClient
+from index.framing import pack
 from index.keys import KeyLayout
 from index.table import BlockTable
 from router.policy import RouteContext
@@ -39,20 +39,15 @@ def test_a_value_decodes_to_what_was_encoded(items: list, t: float) -> None:
     assert decode(encode(t, items)) == (t, items)
 
 
-def _raw(header: object, hashes: bytes = b"") -> bytes:
-    h = msgpack.packb(header)
-    return struct.pack(">I", len(h)) + h + hashes
-
-
 @pytest.mark.parametrize("raw,reason", [
     (b"\x00\x00", "truncated"),
     (struct.pack(">I", 3) + b"\xc1\xc1\xc1", "bad_header"),
-    (_raw({"v": 2, "t": 1.0, "items": []}), "version"),
-    (_raw({"v": 1, "items": []}), "bad_header"),
-    (_raw({"v": 1, "t": 1.0, "items": [["p0", None, 2]]}, b"\x00" * 12), "bad_hashes"),
-    (_raw({"v": 1, "t": 1.0, "items": [["p0", None, 2]]}, b"\x00" * 8), "bad_hashes"),
-    (_raw({"v": 1, "t": 1.0, "items": [["p0", 5, 0]]}), "bad_item"),
-    (_raw({"v": 1, "t": 1.0, "items": [["p0", None, -1]]}), "bad_item"),
+    (pack({"v": 2, "t": 1.0, "items": []}), "version"),
+    (pack({"v": 1, "items": []}), "bad_header"),
+    (pack({"v": 1, "t": 1.0, "items": [["p0", None, 2]]}, b"\x00" * 12), "bad_hashes"),
+    (pack({"v": 1, "t": 1.0, "items": [["p0", None, 2]]}, b"\x00" * 8), "bad_hashes"),
+    (pack({"v": 1, "t": 1.0, "items": [["p0", 5, 0]]}), "bad_item"),
+    (pack({"v": 1, "t": 1.0, "items": [["p0", None, -1]]}), "bad_item"),
 ])
 def test_a_malformed_value_is_refused_with_its_reason(raw: bytes, reason: str) -> None:
     with pytest.raises(MalformedPrediction) as err:
