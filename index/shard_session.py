@@ -29,7 +29,7 @@ class BlockSession:
 
     def __init__(self, main: LeaseSession, shards: IndexShards, instance_id: str) -> None:
         self.shard = shards.place(instance_id)
-        settings = shards.settings_for(instance_id)
+        settings = shards.clusters[self.shard] if shards.sharded else None
         self.client: EtcdClient | None = None
         self.session = main
         if settings is not None:

@@ -83,10 +83,6 @@ class IndexShards:
         raw = instance_id.encode()
         return max(range(n), key=lambda i: xxhash.xxh64_intdigest(raw, seed=i))
 
-    def settings_for(self, instance_id: str) -> EtcdSettings | None:
-        """How to reach ``instance_id``'s shard; None: the main etcd."""
-        return self.clusters[self.place(instance_id)] if self.clusters else None
-
     def shard_settings(self, main: EtcdSettings) -> list[EtcdSettings]:
         """Every shard's settings, in order (``[main]`` when not sharded)."""
         return list(self.clusters) or [main]
