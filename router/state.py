@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from index.hashing import BASE_SEED
-from index.reader import IndexReader
+from index.reader import IndexReader, IndexStatus
 from index.tiers import TierMatch
 from router.canary import Canaries
 from router.config import RouterConfig
@@ -167,11 +167,8 @@ class RouterState:
             return {"state": "starting"}
         disc = self.discovery.stats() if self.discovery else {}
         st = index.status()
-        # Discovery follows the same etcd: when it is degraded, the mirror is not updating either.
-        # A mirror that lost its watch or quorum serves its last state: routing goes on, flagged.
-        stale = disc.get("state") == "degraded" or (st.ready and not st.connected)
         detail: dict[str, Any] = {
-            "state": ("stale" if stale else "live") if st.ready else "loading",
+            "state": ("stale" if self._index_stale(st) else "live") if st.ready else "loading",
             "connected": st.connected, "blocks": st.blocks,
             "revision": st.revision, "revision_lag": st.revision_lag,
             "disconnects": st.disconnects, "last_error": st.last_error,
@@ -186,6 +183,12 @@ class RouterState:
                 "last_error": sh.status.last_error} for sh in shards]
             detail["stale_shards"] = [sh.shard for sh in shards if sh.state != "live"]
         return detail
+
+    def _index_stale(self, st: IndexStatus) -> bool:
+        # Discovery follows the same etcd: when it is degraded, the mirror is not updating either.
+        # A mirror that lost its watch or quorum serves its last state: routing goes on, flagged.
+        degraded = self.discovery is not None and self.discovery.state == "degraded"
+        return degraded or (st.ready and not st.connected)
 
     def check_model(self, model: str | None) -> None:
         if model is None:
@@ -256,7 +259,7 @@ class RouterState:
             m.index_ready.set(1 if st.ready else 0)
             m.index_blocks.set(st.blocks)
             m.index_revision_lag.set(st.revision_lag)
-            m.index_stale.set(1 if self.index_detail().get("state") == "stale" else 0)
+            m.index_stale.set(1 if st.ready and self._index_stale(st) else 0)
             m.set_index_shards(index.shards())
         if self.shared is not None:
             m.add_shared(self.shared.since(self._shared_counted))
