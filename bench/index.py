@@ -322,12 +322,8 @@ def scale_part(args: argparse.Namespace, write: dict[str, Any]) -> list[dict[str
     # Oldest chains evicted first (an LRU of stores), then blocks evicted at random (the worst
     # case for segments: most evictions rewrite another segment).
     for writers, scatter in ((1, False), (2, False), (4, False), (1, True), (2, True)):
-        cluster = start_etcd([])
-        try:
-            r = _index_scale.run([cluster.endpoints], writers, args.scale_rate, args.scale_s,
-                                 args.capacity, scatter=scatter)
-        finally:
-            cluster.stop()
+        r = _index_scale.run_shards(1, writers, args.scale_rate, args.scale_s, args.capacity,
+                                    scatter=scatter)
         out.append(r)
         vs = f", {r['changes_s'] / raw:,.0f}x one key per block" if raw else ""
         rows.append((f"{writers} writer process{'es' if writers > 1 else ''}"
