@@ -129,6 +129,10 @@ class RouterConfig:
     """Static decode worker URLs."""
     admin_token: str | None = None
     """Token required by POST/DELETE /workers (``Authorization: Bearer T``); None: admin off."""
+    forward_client_auth: bool = False
+    """Forward the client's ``Authorization`` and ``Cookie`` headers to the workers. Off by
+    default: a worker is whatever URL an etcd record names, so a client's credentials would
+    go to anyone able to write a record (turn it on only for engines that check them)."""
     max_body: int = 8 << 20
     """Largest request body in bytes (413 above). The reference engine's default
     ``--max-request-bytes``: a body the router takes is one its workers take too."""
@@ -358,6 +362,9 @@ class RouterConfig:
         parser.add_argument("--admin-token", default=None,
                             help=f"token for POST/DELETE /workers (default: ${ADMIN_TOKEN_ENV}, "
                                  "which keeps it out of ps; neither: admin disabled)")
+        parser.add_argument("--forward-client-auth", action="store_true",
+                            help="forward the client's Authorization and Cookie headers to the "
+                                 "workers (default: not forwarded)")
         parser.add_argument("--max-body", "--max-payload-size", type=int, dest="max_body",
                             default=d.max_body,
                             help=f"bytes (413 above; default {d.max_body}, the engine's)")
@@ -445,6 +452,7 @@ class RouterConfig:
             policy=args.policy, prefill_policy=args.prefill_policy,
             decode_policy=args.decode_policy, prefill=prefill, decode=list(args.decode),
             admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
+            forward_client_auth=getattr(args, "forward_client_auth", False),
             max_body=args.max_body, max_prompt_tokens=args.max_prompt_tokens,
             block_size=args.block_size,
             explain_routes=args.explain_routes, **kv_aware_kwargs(args),

@@ -56,11 +56,21 @@ def given_request_id(request: Request,
     return None
 
 
-def forward_headers(request: Request, request_id: str) -> dict[str, str]:
+CLIENT_AUTH_HEADERS = ("authorization", "cookie")
+"""The client's credentials: forwarded only with ``RouterConfig.forward_client_auth``."""
+
+
+def forward_headers(request: Request, request_id: str,
+                    client_auth: bool = False) -> dict[str, str]:
+    """The headers the workers get: the request id, the trace context and, with
+    ``client_auth``, the client's credentials (``CLIENT_AUTH_HEADERS``). Without it they stay
+    here: a worker is whatever URL an etcd record names."""
     headers = {"content-type": "application/json", "x-request-id": request_id}
-    for name in HOP_HEADERS:
+    names = (*HOP_HEADERS, "cookie") if client_auth else HOP_HEADERS
+    for name in names:
         value = request.headers.get(name)
-        if value is not None and name != "x-request-id":
+        if value is not None and name != "x-request-id" and (
+                client_auth or name not in CLIENT_AUTH_HEADERS):
             headers[name] = value
     return headers
 
@@ -88,7 +98,9 @@ async def _proxy(svc: Services, request: Request, kind: str,
         return error_response(exc, rid)
     try:
         return await svc.dispatcher.forward(request, path, path, parsed,
-                                            forward_headers(request, rid), rid, crid)
+                                            forward_headers(request, rid,
+                                                            state.config.forward_client_auth),
+                                            rid, crid)
     finally:
         if limited:
             admission.leave()

@@ -70,17 +70,32 @@ async def test_headers_forwarded_and_request_id(stubs: Any, make_router: Any) ->
     client = await make_router([p], [d])
     tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     resp = await client.post("/v1/chat/completions", headers={
-        "authorization": "Bearer user-key", "traceparent": tp, "x-request-id": "req-42"},
+        "authorization": "Bearer user-key", "cookie": "session=abc", "traceparent": tp,
+        "x-request-id": "req-42"},
         json={"messages": [{"role": "user", "content": "hi"}]})
     assert resp.status == 200 and resp.headers["x-request-id"] == "req-42"
     for stub in (p, d):
         h = {k.lower(): v for k, v in stub.headers[0].items()}
-        assert h["authorization"] == "Bearer user-key"
+        # The client's credentials stay at the router: a worker is whatever an etcd record
+        # names, and a forged record must not collect them.
+        assert "authorization" not in h and "cookie" not in h, h
         assert h["traceparent"] == tp and h["x-request-id"] == "req-42"
     resp = await client.post("/generate", json={"text": "x"})
     rid = resp.headers["x-request-id"]
     assert len(rid) >= 16
     assert {k.lower(): v for k, v in d.headers[1].items()}["x-request-id"] == rid
+
+
+async def test_client_credentials_forwarded_only_when_asked(stubs: Any,
+                                                             make_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d], forward_client_auth=True)
+    resp = await client.post("/generate", json={"text": "x"}, headers={
+        "authorization": "Bearer user-key", "cookie": "session=abc"})
+    assert resp.status == 200
+    for stub in (p, d):
+        h = {k.lower(): v for k, v in stub.headers[0].items()}
+        assert h["authorization"] == "Bearer user-key" and h["cookie"] == "session=abc", h
 
 
 async def test_request_id_from_the_configured_headers(stubs: Any, make_router: Any) -> None:
