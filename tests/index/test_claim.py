@@ -83,15 +83,19 @@ async def test_an_id_held_by_a_live_process_is_refused(etcd: EtcdClient,
 
 
 async def test_a_renewed_lease_whose_holder_does_not_listen_is_taken_over(
-        etcd: EtcdClient, layout: KeyLayout) -> None:
+        etcd: EtcdClient, reading: LeaseReadingClient, layout: KeyLayout) -> None:
     """The lease reading alone is not trusted where the record names an address."""
     key = layout.instance("silent")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
     async with renewed_record(etcd, key, {"role": "prefill", "bootstrap_host": "127.0.0.1",
-                                          "bootstrap_port": port}):
-        await ensure_id_free(etcd, key, "silent")
+                                          "bootstrap_port": port}) as lease:
+        await ensure_id_free(reading, key, "silent")  # returns: the id is ours to take
+        # It did look for a renewal (two readings of the lease), and the lease is alive and
+        # renewed: only the silent address made it take the id over.
+        assert reading.lease_reads == 2
+        assert await etcd.lease_ttl(lease) > 0
 
 
 async def test_an_id_a_crashed_process_left_is_taken_over(etcd: EtcdClient,
