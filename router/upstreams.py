@@ -5,7 +5,7 @@ import asyncio
 
 from router.config import RouterConfig
 from router.http.client import UpstreamPool
-from router.workers import Worker, WorkerPools
+from router.workers import ETCD, Worker, WorkerPools
 
 
 class Upstreams:
@@ -34,13 +34,26 @@ class Upstreams:
 
     def _on_worker_change(self, event: str, worker: Worker) -> None:
         # A departed or moved worker's connections would otherwise linger until their sockets
-        # time out (a URL may be shared: static and etcd records of one server).
+        # time out (a URL may be shared: static and etcd records of one server). Its calls in
+        # flight fail with ``gone_reason``: the client learns which worker vanished, and why.
         if event in ("leave", "moved"):
             in_use = {w.url for w in self.workers.all()}
             for url in [u for u in self.pools if u not in in_use]:
-                self.pools.pop(url).close(f"the worker at {url} left or moved")
+                self.pools.pop(url).close(gone_reason(event, worker, url))
 
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()
+
+
+def gone_reason(event: str, worker: Worker, url: str) -> str:
+    """Why calls to ``url`` ended: its ``worker`` left the pool (``event`` "leave") or moved
+    to another URL ("moved"), said with the worker's id."""
+    name = f"{worker.role} worker {worker.instance_id}"
+    if event == "moved":
+        return f"{name} moved from {url} to {worker.url}"
+    if worker.source == ETCD:
+        return (f"{name} at {url} vanished: its etcd record was deleted, its lease expired "
+                "or it is no longer routable")
+    return f"{name} at {url} was removed from the router's pool (DELETE /workers)"

@@ -278,7 +278,7 @@ class _Connection(asyncio.Protocol):
         head = self.head
         if head is not None and not head.done():
             if (self.reused and not self.received and isinstance(error, UpstreamClosed)
-                    and self.sent is not None):
+                    and self.sent is not None and not self.pool.closed):
                 # The worker had closed this idle connection: nothing of ours was processed,
                 # so the same request goes out once more on a fresh connection.
                 self.head = None
@@ -336,6 +336,9 @@ class UpstreamPool:
         self.idle: list[_Connection] = []
         self.active: set[_Connection] = set()
         self.closed = False
+        self.close_reason = "the router is shutting down"
+        """Why calls fail once ``closed`` (``close``'s reason: the router stops, or the
+        worker left)."""
         self._watchdog: asyncio.Task[None] | None = None
         self.connecting: set[asyncio.Task[None]] = set()
 
@@ -352,7 +355,7 @@ class UpstreamPool:
         data = [head, body] if body else [head]
         if self.closed:
             fut: asyncio.Future[UpstreamResponse] = self.loop.create_future()
-            fut.set_exception(UpstreamClosed(self.origin, "the router is shutting down"))
+            fut.set_exception(UpstreamClosed(self.origin, self.close_reason))
             return fut
         if self._watchdog is None and self.read_timeout is not None:
             self._watchdog = self.loop.create_task(self._watch(self.read_timeout),
@@ -391,7 +394,7 @@ class UpstreamPool:
             return
         except asyncio.CancelledError:
             if not head.done():
-                head.set_exception(UpstreamClosed(self.origin, "the router is shutting down"))
+                head.set_exception(UpstreamClosed(self.origin, self.close_reason))
             raise
         if head.done():  # cancelled while connecting
             self.give_back(conn)
@@ -400,7 +403,7 @@ class UpstreamPool:
 
     async def _connect(self) -> _Connection:
         if self.closed:
-            raise UpstreamClosed(self.origin, "the router is shutting down")
+            raise UpstreamClosed(self.origin, self.close_reason)
         try:
             _, conn = await asyncio.wait_for(self.loop.create_connection(
                 lambda: _Connection(self), self.host, self.port, ssl=self.ssl),
@@ -412,7 +415,7 @@ class UpstreamPool:
             raise UpstreamConnectError(self.origin, f"cannot connect ({exc})") from None
         if self.closed:
             conn.abort()
-            raise UpstreamClosed(self.origin, "the router is shutting down")
+            raise UpstreamClosed(self.origin, self.close_reason)
         self.active.add(conn)
         return conn
 
@@ -445,6 +448,7 @@ class UpstreamPool:
         """Drop every connection: idle ones now, busy ones too (their calls fail, for
         ``reason``)."""
         self.closed = True
+        self.close_reason = reason
         if self._watchdog is not None:
             self._watchdog.cancel()
         for task in self.connecting:
