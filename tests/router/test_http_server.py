@@ -15,6 +15,7 @@ import http_helpers
 import pytest
 from http_helpers import ServerStarted as Started
 from http_helpers import at_eof, connect, echo, let_go, read_response
+from waiting import wait_until
 
 from router.http.server import MAX_AHEAD_BYTES, MAX_HEADER_BYTES, Request, Response, json_response
 
@@ -50,7 +51,7 @@ async def test_pipelined_requests_are_answered_in_order(serve: Started) -> None:
 
     async def handler(request: Request) -> Response:
         if request.path == "/slow":
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # slow on purpose: what is tested is that none overtakes it
         order.append(request.path)
         return json_response({"path": request.path, "body": request.body.decode()})
 
@@ -142,15 +143,21 @@ async def test_answers_wait_for_a_client_that_does_not_read_them(serve: Started)
 
 async def test_a_client_that_reads_no_answer_is_cut_after_the_keep_alive_timeout(
         serve: Started) -> None:
+    handled: list[str] = []
+
     async def handler(request: Request) -> Response:
+        handled.append(request.path)
         return Response(200, b"a" * (1 << 20), "application/octet-stream")
 
     server, port = await serve(handler, keepalive_timeout=0.3)
     _, writer = await connect(port)
-    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n" * 40)
-    while not server.connections:
-        await asyncio.sleep(0.01)
+    n = 40
+    writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n" * n)
+    await wait_until(lambda: server.connections, what="the server holds the connection")
     await let_go(server)  # it never reads: the server lets go of it all the same
+    # Cut while its answers wait in full buffers: the requests behind them were never served.
+    assert 0 < len(handled) < n, len(handled)
+    assert not server.connections
     writer.close()
 
 
