@@ -19,7 +19,7 @@ from router.json_body import load_json
 from router.policy import RouteContext
 from router.requests import ANY, CHAT, COMPLETIONS, GENERATE, Parsed, parse_body
 from router.state import RouterState
-from router.workers import DECODE, PREFILL, ROLES
+from router.workers import ADMIN, DECODE, PREFILL, ROLES
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def error_response(exc: RouterError, request_id: str | None = None) -> Response:
     """The one mapping of the router's errors to HTTP answers: ``exc.status`` with
     ``{"error": str(exc), **exc.extra}``. ``RouterApp.handle`` answers every RouterError a
     handler raises with it; ``_proxy`` calls it itself to add the request id."""
-    return json_error(exc.status, str(exc), request_id, **exc.extra)
+    return json_error(exc.status, str(exc), request_id, exc.headers, **exc.extra)
 
 
 def _usable_id(value: str) -> bool:
@@ -101,6 +101,8 @@ async def _proxy(svc: Services, request: Request, kind: str,
                                             forward_headers(request, rid,
                                                             state.config.forward_client_auth),
                                             rid, crid)
+    except RouterError as exc:  # no worker with room (router/capacity.py): with the id
+        return error_response(exc, rid)
     finally:
         if limited:
             admission.leave()
@@ -229,6 +231,15 @@ def _admin_args(request: Request) -> dict[str, Any]:
 
 
 async def add_worker(svc: Services, request: Request) -> Response:
+    """``POST /workers`` (admin token): add a worker, or update an admin/static one, from
+    ``url``, ``role`` (or ``worker_type``), ``instance_id`` and ``bootstrap_port`` (query or
+    JSON body); 201 with the worker. A 409 when the id or URL is an etcd-discovered worker's.
+
+    Workers an etcd instance record describes belong to discovery: while the record lives, the
+    worker is in its pool and its URL is the record's. The admin API refuses (409, naming the
+    record) to remove such a worker, to add one with its instance id or its URL (any role), or
+    to move one; to take it out of service drain its engine or stop its sidecar, and its record
+    goes with its lease. Static and admin workers are the admin API's to add and remove."""
     denied = _check_admin(svc, request)
     if denied is not None:
         return denied
@@ -246,13 +257,21 @@ async def add_worker(svc: Services, request: Request) -> Response:
             raise BadRequest("instance_id", "must be a string")
         port = parse_bootstrap_port(args.get("bootstrap_port")) if role == PREFILL else None
         worker = state.pools.add(role, url, instance_id=iid, bootstrap_port=port,
-                                 model=state.config.model, source="admin")
+                                 model=state.config.model, source=ADMIN)
     except ValueError as exc:  # a bad URL or port, as the pools and the config say it
         raise BadRequest("", str(exc)) from None
     return json_response(worker.describe(), status=201)
 
 
 async def delete_worker(svc: Services, request: Request) -> Response:
+    """``DELETE /workers`` (admin token): remove the worker of ``instance_id``, or every worker
+    of ``url``; 404 when there is none. A 409 when it is an etcd-discovered worker's.
+
+    Workers an etcd instance record describes belong to discovery: while the record lives, the
+    worker is in its pool and its URL is the record's. The admin API refuses (409, naming the
+    record) to remove such a worker, to add one with its instance id or its URL (any role), or
+    to move one; to take it out of service drain its engine or stop its sidecar, and its record
+    goes with its lease. Static and admin workers are the admin API's to add and remove."""
     denied = _check_admin(svc, request)
     if denied is not None:
         return denied
@@ -260,8 +279,10 @@ async def delete_worker(svc: Services, request: Request) -> Response:
     args = _admin_args(request)
     url, iid = args.get("url"), args.get("instance_id")
     if isinstance(iid, str):
+        state.pools.refuse_discovered(f"worker {iid} is not removed", instance_id=iid)
         gone = [w for w in (state.pools.remove(r, iid) for r in (PREFILL, DECODE)) if w]
     elif isinstance(url, str):
+        state.pools.refuse_discovered(f"the workers at {url} are not removed", url=url)
         gone = state.pools.remove_url(url)
     else:
         return json_error(400, "give url or instance_id (query or JSON body)")

@@ -25,6 +25,10 @@ whichever came first: the etcd one serves, because its id is the one the block i
 sidecar's KV events) use, and the other is *shadowed* (``shadowed_by``) until the record leaves
 or moves to another URL. A shadowed worker is never chosen, and is left out of every count (the
 workers gauge, /readiness, /workers' role lists, the prompt and body limits).
+
+**The admin API and discovery.** While an etcd record lives, its worker and the worker's URL are
+the record's: ``POST /workers`` with its id or URL, and ``DELETE /workers`` of it, are refused
+(``DiscoveredWorker``, 409 naming the record; ``WorkerPools.refuse_discovered``).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from index.record import DECODE, PREFILL, RecordReader
 from router.breaker import CircuitBreaker
 from router.config import RouterConfig, check_url
 from router.engine_load import EngineLoad
+from router.errors import DiscoveredWorker
 from router.limits import Stated, WorkerLimits, stated_limits
 from tokenization import canonical_model
 
@@ -46,6 +51,8 @@ logger = logging.getLogger(__name__)
 ROLES = (PREFILL, DECODE)
 ETCD = "etcd"
 """``Worker.source`` of a worker discovered from an etcd instance record."""
+ADMIN = "admin"
+"""``Worker.source`` of a worker added by ``POST /workers``."""
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -187,12 +194,17 @@ class WorkerPools:
             bootstrap_host: str | None = None, bootstrap_port: int | None = None,
             model: str | None = None, source: str = "static", ready: bool = True,
             record: dict[str, Any] | None = None) -> Worker:
-        """Add or update a worker; an update keeps its breaker, load and health."""
+        """Add or update a worker; an update keeps its breaker, load and health. The admin
+        API (``source`` ADMIN) gets ``DiscoveredWorker`` for an id or URL an etcd record names
+        (a static flag's worker pairs with the record instead: see the module's docstring)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         url = check_url(url)
-        self._models = None
         iid = instance_id or static_id(url)
+        if source == ADMIN:
+            self.refuse_discovered(f"{source} worker {iid} at {url} is not added",
+                                   instance_id=iid, url=url)
+        self._models = None
         worker = self.workers[role].get(iid)
         events: tuple[str, ...]
         if worker is None:
@@ -231,6 +243,32 @@ class WorkerPools:
             self.limits.rebuild(self.counted())
             self._tell("leave", worker)
         return worker
+
+    def discovered(self, instance_id: str | None = None,
+                   url: str | None = None) -> Worker | None:
+        """The etcd-discovered worker (either role) of ``instance_id`` or of ``url`` (compared
+        normalized), if any."""
+        key = None
+        if url is not None:
+            try:
+                key = normalize_url(check_url(url))
+            except ValueError:
+                key = None  # not a URL: no worker has it
+        for w in self.all():
+            if w.source == ETCD and (w.instance_id == instance_id
+                                     or (key is not None and w.url_key == key)):
+                return w
+        return None
+
+    def refuse_discovered(self, action: str, *, instance_id: str | None = None,
+                          url: str | None = None) -> None:
+        """``DiscoveredWorker`` (409) when ``instance_id`` or ``url`` is an etcd-discovered
+        worker's: the admin API neither removes, adds a twin of, nor moves such a worker,
+        since discovery would (or would not) undo it at the record's next write."""
+        w = self.discovered(instance_id, url)
+        if w is not None:
+            key = self.config.layout.instance(w.instance_id).decode()
+            raise DiscoveredWorker(w.instance_id, w.role, w.url, key, action)
 
     def remove_url(self, url: str) -> list[Worker]:
         try:

@@ -174,16 +174,16 @@ async def test_record_then_admin_worker_then_record_leaves(
     (p,), (d,) = await stubs("prefill"), await stubs("decode")
     inst = await register("p-real", {"role": "prefill", "url": p.url, "model": "tiny"})
     await register("d-real", {"role": "decode", "url": d.url, "model": "tiny"})
-    client = await _router(start_router, etcd_settings, key_prefix)
+    # A static flag of the same server (the admin API refuses a twin of a discovered worker).
+    client = await _router(start_router, etcd_settings, key_prefix, prefill=[(p.url + "/", None)])
 
     async def joined() -> bool:
         return [w["instance_id"] for w in (await _workers(client))["prefill"]] == ["p-real"]
 
     await wait_for(joined)
-    # The admin adds the same server: one worker still, the record's.
     resp = await client.post("/workers", json={"url": p.url + "/", "role": "prefill"},
                              headers=AUTH)
-    assert resp.status == 201 and (await resp.json())["shadowed_by"] == "p-real"
+    assert resp.status == 409 and "p-real" in (await resp.json())["error"]
     workers = await _workers(client)
     assert [w["instance_id"] for w in workers["prefill"]] == ["p-real"]
     assert [w["shadowed_by"] for w in workers["shadowed"]] == ["p-real"]
