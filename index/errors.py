@@ -54,7 +54,30 @@ class EtcdRequestError(EtcdError):
     """etcd refused the request itself (too many ops in a txn, bad key, quota exceeded)."""
 
 
-class RecordError(IndexLayerError):
+class MalformedValue(IndexLayerError, ValueError):
+    """An etcd key or value that this kvatlas does not read: written by another tool, a newer
+    kvatlas, or damaged. Every decoder of a stored key or value raises a subclass of it and
+    nothing else, so a watch loop (``index.follow``) skips that one key, counts it under
+    ``reason`` (a short label, also a metric label) and goes on with the rest.
+    """
+
+    def __init__(self, reason: str, detail: str, key: bytes | str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+        self.key = key.decode(errors="replace") if isinstance(key, bytes) else key
+        super().__init__(f"{self.key}: {reason}: {detail}" if self.key else f"{reason}: {detail}")
+
+
+class MalformedKey(MalformedValue):
+    """An etcd key under one of kvatlas's prefixes that is not exactly how ``index.keys``
+    writes it (not UTF-8, a path of the wrong shape, an invalid instance id); reason
+    ``bad_key``."""
+
+    def __init__(self, key: bytes | str, detail: str) -> None:
+        super().__init__("bad_key", detail, key)
+
+
+class RecordError(MalformedValue):
     """An instance record (``/{prefix}/v1/instances/{id}``) that this kvatlas cannot use.
 
     ``reason`` is ``"malformed"`` (not JSON, not an object, a missing or ill-typed field) or
@@ -63,10 +86,9 @@ class RecordError(IndexLayerError):
     """
 
     def __init__(self, key: str, reason: str, detail: str) -> None:
-        self.key = key
-        self.reason = reason
-        self.detail = detail
-        super().__init__(f"instance record {key or '(no key)'}: {detail}")
+        super().__init__(reason, detail, key)
+        # The record's own wording (callers print it as is).
+        self.args = (f"instance record {key or '(no key)'}: {detail}",)
 
 
 class InstanceIdInUse(IndexLayerError):

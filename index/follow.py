@@ -18,6 +18,16 @@ etcd while a watcher timed out and asked again. Unfragmented it is one message b
 time (100k deletes in ~0.2 s), within the client's receive limit (``index.etcd``); past that
 limit the RESOURCE_EXHAUSTED answer is a reload.
 
+Keys and values are data, never control flow: the prefix is shared, and anything can be written
+under it. A subclass says what a key names (``parse_key``) and what a value holds (``decode``);
+each raises its ``index.errors.MalformedValue`` for anything else. This class calls them on every
+snapshot key and watch event and hands the hooks ``Entry``s: a bad key is skipped (its put or
+delete alike), a put of a bad value arrives with ``data`` None (the key holds nothing usable
+now), and either is counted by reason (``skipped``, ``skipped_totals()`` for metrics) and
+logged once per key and reason, while every other key of the batch applies, deletions included.
+An exception other than ``MalformedValue`` from a decoder is a bug there, but a value still must
+not stop the watch: it is skipped the same way, as reason ``undecodable``, with its traceback.
+
 "Heard" (for ``connected``) is a response that shows the stream delivers: events or a progress
 notification. etcd's "created" response arrives before any catch-up, so it does not count: a
 watch reopened behind a backlog it cannot deliver must not read as connected.
@@ -29,19 +39,59 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from index.errors import EtcdCompacted, EtcdError, EtcdRequestError
+from index.errors import EtcdCompacted, EtcdError, EtcdRequestError, MalformedValue
 from index.etcd import EtcdClient, KeyValue, WatchBatch, WatchEvent
 from index.lease import Backoff, cancel_and_wait
 from index.liveness import WatchLiveness
 
 logger = logging.getLogger(__name__)
 
+BAD_KEY = "bad_key"
+"""The reason a key that ``parse_key`` refuses is counted under (``MalformedKey``'s)."""
+UNDECODABLE = "undecodable"
+"""The reason of a key or value whose decoder raised something other than MalformedValue."""
+LOGGED_KEYS = 1024
+"""Keys whose refusal is remembered as logged: past that, further ones are counted only (a
+flood of bad keys must not grow this set without bound)."""
+
+_TOTALS: Counter[tuple[str, str]] = Counter()
+"""Every follower's skips in this process, by (prefix kind, reason): ``skipped_totals()``."""
+
+
+def skipped_totals() -> dict[tuple[str, str], int]:
+    """Keys and values skipped by every follower of this process so far, by (prefix kind,
+    reason): monotonic, for a Prometheus counter (the router's and engine's metrics)."""
+    return dict(_TOTALS)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One snapshot key or watch event, read: what the hooks get."""
+
+    key: bytes
+    value: bytes
+    """The raw value (b"" for a delete)."""
+    put: bool
+    """False: the key was deleted (``data`` is None)."""
+    mod_revision: int
+    name: Any
+    """What the key names (``parse_key``)."""
+    data: Any
+    """The decoded value (``decode``); None for a delete and for a value that does not decode
+    (skipped and counted): the key then holds nothing usable."""
+
 
 class PrefixFollower:
-    """Follows every key under ``prefix``; override ``load`` and ``apply``, then ``start()``."""
+    """Follows every key under ``prefix``; override ``load`` and ``apply`` (and ``parse_key``
+    and ``decode`` for keys and values that may be malformed), then ``start()``."""
+
+    kind = "other"
+    """Which prefix this follows, for the skip metric's ``prefix_kind`` label."""
 
     def __init__(self, client: EtcdClient, prefix: bytes, name: str, stale_after: float = 3.0,
                  progress_every: float = 1.0) -> None:
@@ -70,16 +120,88 @@ class PrefixFollower:
         self.disconnects = 0
         self.errors = 0
         """Batches or reloads that failed unexpectedly (each answered with a reload)."""
+        self.skipped: Counter[str] = Counter()
+        """Keys and values skipped as malformed, by reason (``bad_key``, the decoders')."""
+        self._logged: dict[bytes, set[str]] = {}
+        """Per refused key, the reasons already logged."""
 
     # --- what a subclass says ---------------------------------------------------------------
 
-    def load(self, revision: int, kvs: list[KeyValue]) -> Awaitable[None] | None:
-        """Replace the whole state with this snapshot of the prefix at ``revision``."""
+    def load(self, revision: int, entries: list[Entry]) -> Awaitable[None] | None:
+        """Replace the whole state with this snapshot of the prefix at ``revision``: every key
+        whose key and value read (``data`` is never None here)."""
         raise NotImplementedError
 
-    def apply(self, events: list[WatchEvent]) -> Awaitable[None] | None:
-        """Apply the events of one watch response (never empty), in order."""
+    def apply(self, entries: list[Entry]) -> Awaitable[None] | None:
+        """Apply the events of one watch response, in order (those of keys that read; never
+        empty)."""
         raise NotImplementedError
+
+    def parse_key(self, key: bytes) -> Any:
+        """What ``key`` names (``Entry.name``); raise MalformedValue for a key not to read."""
+        return key
+
+    def decode(self, name: Any, value: bytes) -> Any:
+        """What ``value`` holds (``Entry.data``); raise MalformedValue for one not to use."""
+        return value
+
+    # --- reading keys and values ------------------------------------------------------------
+
+    def _read(self, key: bytes, value: bytes | None, put: bool, mod_revision: int) -> Entry | None:
+        """The entry of one key; None (counted, logged once) when the key is refused."""
+        try:
+            name = self.parse_key(key)
+        except Exception as exc:  # noqa: BLE001 - MalformedValue or a decoder's bug: see _refuse
+            self._refuse(key, exc, BAD_KEY)
+            return None
+        data = None
+        if put:
+            try:
+                data = self.decode(name, value if value is not None else b"")
+            except Exception as exc:  # noqa: BLE001
+                self._refuse(key, exc, UNDECODABLE)
+        if self._logged and (data is not None or not put):
+            # The key reads again or is gone: a later refusal of it is logged again.
+            self._logged.pop(key, None)
+        return Entry(key, value if put and value is not None else b"", put, mod_revision,
+                     name, data)
+
+    def _refuse(self, key: bytes, exc: Exception, fallback: str) -> None:
+        malformed = isinstance(exc, MalformedValue)
+        reason = exc.reason if malformed else fallback
+        if not malformed and fallback == BAD_KEY:
+            reason = UNDECODABLE
+        self.skipped[reason] += 1
+        _TOTALS[(self.kind, reason)] += 1
+        seen = self._logged.get(key)
+        if seen is None:
+            if len(self._logged) >= LOGGED_KEYS:
+                return
+            seen = self._logged[key] = set()
+        if reason in seen:
+            return
+        seen.add(reason)
+        what = "key" if reason == BAD_KEY else "value of"
+        if malformed:
+            logger.warning("%s: skipped the %s %r (%s): %s; counted in "
+                           "skipped[%r], logged once per key", self.name, what, key[:200],
+                           reason, exc.detail, reason)
+        else:
+            logger.error("%s: skipped the %s %r: its decoder failed (a bug there); counted in "
+                         "skipped[%r]", self.name, what, key[:200], reason,
+                         exc_info=(type(exc), exc, exc.__traceback__))
+
+    def _entries(self, items: Iterable[KeyValue | WatchEvent], snapshot: bool) -> list[Entry]:
+        out = []
+        for it in items:
+            if snapshot:
+                e = self._read(it.key, it.value, True, it.mod_revision)  # type: ignore[union-attr]
+            else:
+                e = self._read(it.key, it.value, it.put, it.mod_revision)  # type: ignore[union-attr]
+            # A snapshot holds usable keys only: a bad value there is as good as absent.
+            if e is not None and (not snapshot or e.data is not None):
+                out.append(e)
+        return out
 
     # --- state ------------------------------------------------------------------------------
 
@@ -102,7 +224,7 @@ class PrefixFollower:
                 "batches": self.batches, "reloads": self.reloads,
                 "compactions": self.compactions, "resumes": self.resumes,
                 "disconnects": self.disconnects, "errors": self.errors,
-                "last_error": self.last_error}
+                "skipped": dict(self.skipped), "last_error": self.last_error}
 
     async def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait for the first full load; False on timeout."""
@@ -155,7 +277,7 @@ class PrefixFollower:
     async def reload(self) -> None:
         """Replace the whole state with a fresh snapshot (start-up, compaction, silence)."""
         revision, kvs = await self.client.get_prefix(self.prefix)
-        await _maybe(self.load(revision, kvs))
+        await _maybe(self.load(revision, self._entries(kvs, snapshot=True)))
         self.revision = revision
         self.store_revision = max(self.store_revision, revision)
         self.reloads += 1
@@ -246,7 +368,9 @@ class PrefixFollower:
         if not batch.events:
             return
         self.batches += 1
-        await _maybe(self.apply(batch.events))
+        entries = self._entries(batch.events, snapshot=False)
+        if entries:
+            await _maybe(self.apply(entries))
         revs = [ev.mod_revision for ev in batch.events]
         # Without per-event revisions the header revision is the best available; it is exact
         # except for catch-up responses spanning more than 1,000 revisions.

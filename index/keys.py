@@ -17,11 +17,15 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote
 
+from index.errors import MalformedKey
+
 DEFAULT_PREFIX = "/kvatlas"
 """The etcd key prefix every component uses unless told otherwise (``--etcd-prefix``)."""
 
 _HASH_RE = re.compile(r"[0-9a-f]{16}")
 _INSTANCE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_INDEX_RE = re.compile(r"0|[1-9][0-9]{0,5}")
+_SLOT_RE = re.compile(r"[0-9]{3}")
 
 
 def validate_instance_id(instance_id: str) -> str:
@@ -72,7 +76,12 @@ class KeyLayout:
         return f"{self.root}instances/{instance_id}".encode()
 
     def parse_instance(self, key: bytes) -> str:
-        return key.decode()[len(self.instances_prefix()):]
+        """The instance id of an instance key; MalformedKey for any other key."""
+        iid = _tail(key, self.instances_prefix())
+        try:
+            return validate_instance_id(iid)
+        except ValueError as exc:
+            raise MalformedKey(key, str(exc)) from None
 
     # ranks
     def ranks_prefix(self, instance_id: str | None = None) -> bytes:
@@ -83,9 +92,12 @@ class KeyLayout:
         return f"{self.root}ranks/{instance_id}/{dp}/{cp}/{tp}/{pp}".encode()
 
     def parse_rank(self, key: bytes) -> tuple[str, tuple[int, int, int, int]]:
-        parts = key.decode()[len(self.ranks_prefix()):].split("/")
-        if len(parts) != 5:
-            raise ValueError(f"not a rank key: {key!r}")
+        """(instance id, (dp, cp, tp, pp)) of a rank key; MalformedKey for any other key."""
+        parts = _tail(key, self.ranks_prefix()).split("/")
+        # Only the canonical decimal form ``rank()`` writes: int() alone takes "+1", " 1", "１".
+        if (len(parts) != 5 or not all(_INDEX_RE.fullmatch(p) for p in parts[1:])
+                or not _INSTANCE_RE.match(parts[0])):
+            raise MalformedKey(key, "not a rank key: want {instance}/{dp}/{cp}/{tp}/{pp}")
         iid, dp, cp, tp, pp = parts
         return iid, (int(dp), int(cp), int(tp), int(pp))
 
@@ -105,12 +117,20 @@ class KeyLayout:
 
     def parse_segment(self, key: bytes) -> tuple[str, str, int]:
         """(model, instance_id, segment id) of a segment key."""
-        parts = key.decode()[len(self.blocks_prefix()):].split("/")
+        parts = _tail(key, self.blocks_prefix()).split("/")
         tail = parts[-1]
         # Only the canonical form the writer produces: int(x, 16) alone takes "-0...1" and "0x".
-        if len(parts) != 3 or not _HASH_RE.fullmatch(tail):
-            raise ValueError(f"not a block segment key: {key!r}")
-        return unquote(parts[0]), parts[1], int(tail, 16)
+        if (len(parts) != 3 or not _HASH_RE.fullmatch(tail)
+                or not _INSTANCE_RE.match(parts[1])):
+            raise MalformedKey(key, "not a block segment key: want {model}/{instance}/{segment}")
+        try:
+            model = validate_model(unquote(parts[0], errors="strict"))
+        except ValueError as exc:  # UnicodeDecodeError included
+            raise MalformedKey(key, f"bad model: {exc}") from None
+        if quote(model, safe="") != parts[0]:
+            # "%41" and "A" must not both be model "A": only the form segment() writes.
+            raise MalformedKey(key, f"model {model!r} not quoted the way kvatlas writes it")
+        return model, parts[1], int(tail, 16)
 
     def legacy_blocks_prefix(self) -> bytes:
         """Where kvatlas before the segment layout kept one key per block (read by nobody now;
@@ -127,7 +147,19 @@ class KeyLayout:
 
     def parse_prediction(self, key: bytes) -> str:
         """The router id of a prediction key."""
-        parts = key.decode()[len(self.predictions_prefix()):].split("/")
-        if len(parts) != 2 or not parts[0]:
-            raise ValueError(f"not a prediction key: {key!r}")
+        parts = _tail(key, self.predictions_prefix()).split("/")
+        if len(parts) != 2 or not parts[0] or not _SLOT_RE.fullmatch(parts[1]):
+            raise MalformedKey(key, "not a prediction key: want {router_id}/{slot:03d}")
         return parts[0]
+
+
+def _tail(key: bytes, prefix: bytes) -> str:
+    """What follows ``prefix`` in ``key``, as text; MalformedKey when ``key`` is not under
+    ``prefix`` or is not UTF-8 (etcd keys are any bytes: another tool may write those)."""
+    if not isinstance(key, bytes) or not key.startswith(prefix):
+        raise MalformedKey(key if isinstance(key, (bytes, str)) else repr(key),
+                           f"not under {prefix.decode(errors='replace')}")
+    try:
+        return key[len(prefix):].decode()
+    except UnicodeDecodeError:
+        raise MalformedKey(key, "not UTF-8") from None

@@ -11,12 +11,14 @@ nothing special: etcd deletes the keys with the lease and the deletes arrive her
 watch events.
 
 Keys under the blocks prefix that are not exactly what a writer produces (not UTF-8, a segment id
-that is not 16 lowercase hex digits, an invalid instance id, extra path segments) are counted in
-``bad_keys`` and skipped, values that are not a segment in ``bad_values`` (a put of one empties
-that key's segment): the prefix is shared, and another tool's key must never stop the mirror.
-Anything unexpected while applying a batch is counted in ``errors`` and answered with a reload
-(with backoff), never by letting the task die. Caches (interned names, per-model tables) are
-pruned when an instance or a model holds no blocks any more.
+that is not 16 lowercase hex digits, an invalid instance id, extra path segments) are skipped
+and counted in ``bad_keys``, values that are not a segment (``index.segments.decode`` refuses
+them: a ``"n": true``, more than ``MAX_SEGMENT_BLOCKS`` blocks, lengths that disagree) in
+``bad_values``, and a put of one empties that key's segment; both are counted by reason in
+``skipped`` and logged once (``index.follow``): the prefix is shared, and another tool's key
+must never stop the mirror. Anything unexpected while applying a batch is counted in ``errors``
+and answered with a reload (with backoff), never by letting the task die. Caches (interned names,
+per-model tables) are pruned when an instance or a model holds no blocks any more.
 
 Lag is measured two ways: seconds between a writer's write time (the ``"t"`` of each segment)
 and the moment the put is applied here, and revisions between etcd's head (learned from watch
@@ -35,8 +37,9 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
-from index.etcd import EtcdClient, KeyValue, WatchEvent
-from index.follow import PrefixFollower
+from index.errors import MalformedKey
+from index.etcd import EtcdClient
+from index.follow import BAD_KEY, Entry, PrefixFollower
 from index.keys import KeyLayout, validate_instance_id, validate_model
 from index.reader import IndexReader, IndexStatus, InstanceDetail
 from index.segments import MalformedSegment, Segment, decode
@@ -76,6 +79,8 @@ class BlockMirror(PrefixFollower, IndexReader):
     Readers outside index/ use the ``IndexReader`` methods (``match``, ``version``, ...); the
     attributes below are this class's own business."""
 
+    kind = "blocks"
+
     def __init__(self, client: EtcdClient, layout: KeyLayout, model: str | None = None,
                  config: BlockMirrorConfig | None = None) -> None:
         self.model = validate_model(model) if model is not None else None
@@ -96,11 +101,19 @@ class BlockMirror(PrefixFollower, IndexReader):
         self.puts = 0
         """Segment puts applied."""
         self.deletes = 0
-        self.bad_keys = 0
-        self.bad_values = 0
         self.legacy_blocks = 0
         """Keys found in the layout before segments (read by nobody): an older writer runs."""
         self._emptied = False
+
+    @property
+    def bad_keys(self) -> int:
+        """Keys skipped: not a segment key as a writer writes it."""
+        return self.skipped[BAD_KEY]
+
+    @property
+    def bad_values(self) -> int:
+        """Values skipped: not a segment this version reads (by reason in ``skipped``)."""
+        return sum(self.skipped.values()) - self.skipped[BAD_KEY]
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -211,23 +224,24 @@ class BlockMirror(PrefixFollower, IndexReader):
                            "agents and sidecars writing them", self.name, old,
                            self.layout.legacy_blocks_prefix().decode())
         self.legacy_blocks = old
+        # Interned names start over (before the snapshot's keys are read into them): a reload
+        # is when caches of the vanished can go.
+        self._models, self._names = {}, {}
         await super().reload()
 
-    def load(self, revision: int, kvs: list[KeyValue]) -> None:
-        # Interned names start over: a reload is when caches of the vanished can go.
-        self._models, self._names = {}, {}
+    def parse_key(self, key: bytes) -> tuple[str, str]:
+        return self._parse(key)
+
+    def decode(self, name: tuple[str, str], value: bytes) -> Segment:
+        return decode(value)
+
+    def load(self, revision: int, entries: list[Entry]) -> None:
         values: dict[bytes, bytes] = {}
         groups: dict[tuple[str, str, str], list[int]] = {}
-        for kv in kvs:
-            parsed = self._parse(kv.key)
-            if parsed is None:
-                continue
-            seg = self._decode(kv.value)
-            if seg is None:
-                continue
-            model, instance = parsed
-            values[kv.key] = kv.value
-            for medium, hashes in seg.by_medium().items():
+        for e in entries:
+            model, instance = e.name
+            values[e.key] = e.value
+            for medium, hashes in e.data.by_medium().items():
                 groups.setdefault((model, instance, medium), []).extend(hashes)
         tables: dict[str, BlockTable] = {}
         for (model, instance, medium), hashes in groups.items():
@@ -242,22 +256,20 @@ class BlockMirror(PrefixFollower, IndexReader):
         # Swap at once: lookups see either the old or the new state, never a half-built one.
         self.tables, self._changed, self._values = tables, changed, values
 
-    def apply(self, events: list[WatchEvent]) -> None:
+    def apply(self, entries: list[Entry]) -> None:
         applied_at = time.time()
         stamps: list[float] = []
-        for ev in events:
-            parsed = self._parse(ev.key)
-            if parsed is None:
-                continue
-            model, instance = parsed
-            old_raw = self._values.pop(ev.key, None)
-            new = self._decode(ev.value) if ev.put else None
+        for e in entries:
+            model, instance = e.name
+            old_raw = self._values.pop(e.key, None)
+            new: Segment | None = e.data  # None: a delete, or a put of a value that is no segment
             if new is not None:
-                self._values[ev.key] = ev.value
+                self._values[e.key] = e.value
                 stamps.append(new.t)
                 self.puts += 1
             else:
                 self.deletes += 1
+            # Only values that decoded are kept: this one decodes again.
             old = decode(old_raw) if old_raw is not None else None
             self._apply_segment(model, instance, old, new, applied_at)
         if stamps:
@@ -295,15 +307,6 @@ class BlockMirror(PrefixFollower, IndexReader):
         if was or added:
             self._changed[instance] = applied_at
 
-    def _decode(self, value: bytes) -> Segment | None:
-        try:
-            return decode(value)
-        except MalformedSegment as exc:
-            if not self.bad_values:
-                logger.warning("%s: a value that is not a block segment: %s", self.name, exc)
-            self.bad_values += 1
-            return None
-
     def _prune(self) -> None:
         """Forget caches of instances and models that hold no blocks any more."""
         self._emptied = False
@@ -316,26 +319,25 @@ class BlockMirror(PrefixFollower, IndexReader):
         self._changed = {i: t for i, t in self._changed.items() if i in live}
         self._models = {raw: m for raw, m in self._models.items() if m in self.tables}
 
-    def _parse(self, key: bytes) -> tuple[str, str] | None:
-        """(model, instance) of a writer's segment key; None (counted) for anything else."""
+    def _parse(self, key: bytes) -> tuple[str, str]:
+        """(model, instance) of a writer's segment key; MalformedKey for anything else. (Not
+        ``KeyLayout.parse_segment``: interned names make this cheap for the millions of keys of
+        a large snapshot.)"""
         parts = key[self._root_len:].split(b"/")
         if len(parts) != 3 or parse_hash_tail(parts[2]) is None:
-            self.bad_keys += 1
-            return None
+            raise MalformedKey(key, "not a block segment key: want {model}/{instance}/{segment}")
         raw_model, raw_instance, _ = parts
         model = self._models.get(raw_model)
         if model is None:
             model = self._intern_model(raw_model)
             if model is None:
-                self.bad_keys += 1
-                return None
+                raise MalformedKey(key, "a model name not as KeyLayout quotes one")
         instance = self._names.get(raw_instance)
         if instance is None:
             try:
                 instance = validate_instance_id(raw_instance.decode())
-            except ValueError:  # UnicodeDecodeError included
-                self.bad_keys += 1
-                return None
+            except ValueError as exc:  # UnicodeDecodeError included
+                raise MalformedKey(key, f"bad instance id: {exc}") from None
             self._names[raw_instance] = instance
         return model, instance
 

@@ -24,22 +24,22 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from index.errors import IndexLayerError
-from index.framing import pack, unpack
+from index.errors import MalformedValue
+from index.framing import finite_number, pack, strict_int, unpack
 
 VERSION = 2
 MAX_SEGMENT_BLOCKS = 64
 """Blocks per segment at most: a longer chain continues in a new segment (values stay under
 ~600 bytes, so a one-block change never rewrites much)."""
 MAX_MEDIA = 255
+_U64 = 2**64 - 1
 
 
-class MalformedSegment(IndexLayerError, ValueError):
+class MalformedSegment(MalformedValue):
     """A value that is not a segment this version reads; ``reason`` names what is wrong."""
 
     def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
+        super().__init__(reason, detail)
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,9 @@ class Segment:
 
 def encode(t: float, parent: int | None, hashes: Sequence[int], media: Sequence[str]) -> bytes:
     """The value of a segment of ``hashes`` (chain order), block i on ``media[i]``."""
+    if len(hashes) > MAX_SEGMENT_BLOCKS:
+        # Readers refuse such a value (``decode``): never write one.
+        raise ValueError(f"a segment holds at most {MAX_SEGMENT_BLOCKS} blocks, got {len(hashes)}")
     names: dict[str, int] = {}
     for m in media:
         if m not in names:
@@ -79,12 +82,17 @@ def encode(t: float, parent: int | None, hashes: Sequence[int], media: Sequence[
 
 
 def decode(raw: bytes) -> Segment:
-    """The segment in ``raw``; MalformedSegment (with a reason) for anything else."""
+    """The segment in ``raw``; MalformedSegment (with a reason) for anything else, and never
+    another exception: the value comes from etcd, where any bytes can be."""
     header, body = unpack(raw, VERSION, MalformedSegment)
     t, parent, names, n = header.get("t"), header.get("p"), header.get("m"), header.get("n")
-    if (not isinstance(t, (int, float)) or not isinstance(n, int) or n < 0
-            or not (parent is None or isinstance(parent, int))
-            or not isinstance(names, list) or (n and not names)
+    # Strict types: a bool is an int to Python (``"n": true`` would size a buffer), and ``n``
+    # past what a writer produces would let one value grow the index without bound.
+    if not strict_int(n, 0, MAX_SEGMENT_BLOCKS):
+        raise MalformedSegment("bad_count", f"n={str(n)[:40]}: want 0-{MAX_SEGMENT_BLOCKS} "
+                                            "blocks")
+    if (not finite_number(t) or not (parent is None or strict_int(parent, 0, _U64))
+            or not isinstance(names, list) or len(names) > MAX_MEDIA or (n and not names)
             or not all(isinstance(m, str) for m in names)):
         raise MalformedSegment("bad_header", str(header)[:120])
     want = 8 * n + (n if len(names) > 1 else 0)

@@ -46,7 +46,20 @@ def test_one_medium_costs_no_index_bytes() -> None:
 @pytest.mark.parametrize("raw,reason", [
     (b"\x00", "truncated"),
     (struct.pack(">I", 2) + b"\xc1\xc1", "bad_header"),
-    (b'{"m":"GPU","p":null,"t":1.0}', "bad_header"),  # a v1 block value
+    (b'{"m":"GPU","p":null,"t":1.0}', "truncated"),  # a v1 block value: '{"m"' is no length
+    (struct.pack(">I", 2**32 - 1) + b"\x80", "truncated"),  # a header past the value's end
+    # Types are strict: a bool is an int to Python, and "n" sizes a buffer.
+    (pack({"v": 2, "t": 1.0, "p": None, "m": ["GPU"], "n": True}, b"\x00" * 8), "bad_count"),
+    (pack({"v": 2, "t": 1.0, "p": None, "m": ["GPU"], "n": 100_000}, b"\x00" * 800_000),
+     "bad_count"),
+    (pack({"v": 2, "t": 1.0, "p": None, "m": ["GPU"], "n": 65}, b"\x00" * 8 * 65), "bad_count"),
+    (pack({"v": 2, "t": 1.0, "p": None, "m": ["GPU"], "n": -1}), "bad_count"),
+    (pack({"v": True, "t": 1.0, "p": None, "m": ["GPU"], "n": 0}), "version"),
+    (pack({"v": 2, "t": True, "p": None, "m": ["GPU"], "n": 0}), "bad_header"),
+    (pack({"v": 2, "t": float("nan"), "p": None, "m": ["GPU"], "n": 0}), "bad_header"),
+    (pack({"v": 2, "t": 1.0, "p": False, "m": ["GPU"], "n": 0}), "bad_header"),
+    (pack({"v": 2, "t": 1.0, "p": -1, "m": ["GPU"], "n": 0}), "bad_header"),
+    (pack({"v": 2, "t": 1.0, "p": None, "m": "GPU", "n": 0}), "bad_header"),
     (pack({"v": 1, "t": 1.0, "p": None, "m": ["GPU"], "n": 0}), "version"),
     (pack({"v": 2, "t": 1.0, "p": None, "m": [], "n": 1}, b"\x00" * 8), "bad_header"),
     (pack({"v": 2, "t": "x", "p": None, "m": ["GPU"], "n": 0}), "bad_header"),
