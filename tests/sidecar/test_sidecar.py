@@ -9,12 +9,12 @@ import logging
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 from sidecar_stubs import BootstrapStub, EngineStub, rank_body
+from waiting import wait_until
 
 from bootstrap.registration import put_route
 from index.agent_stats import stats_key
@@ -70,16 +70,6 @@ def consecutive_free_ports() -> int:
         return port
 
 
-async def until(predicate: Callable[[], Awaitable[Any]], timeout: float) -> float:
-    """Seconds until ``predicate()`` is truthy; AssertionError past ``timeout``."""
-    t0 = time.monotonic()
-    while not await predicate():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"not within {timeout} s")
-        await asyncio.sleep(0.05)
-    return time.monotonic() - t0
-
-
 def record_of(etcd: EtcdClient, layout: KeyLayout, iid: str = "e0"
               ) -> Callable[[], Awaitable[InstanceRecord | None]]:
     async def read() -> InstanceRecord | None:
@@ -95,15 +85,20 @@ async def test_waits_for_an_unreachable_engine_and_says_what_it_waits_for(
     engine = EngineStub(port=port)
     caplog.set_level(logging.INFO, logger="sidecar.service")
     async with running(config(etcd_settings, key_prefix, engine.url)) as (sc, task):
-        await asyncio.sleep(1.0)
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records
+                    if "waiting for engine" in r.getMessage()]
+        # Tried twice, and still waiting: an unreachable engine is no reason to give up.
+        await wait_until(lambda: len(said()) >= 2, what="the sidecar tries its engine twice",
+                         detail=lambda: caplog.text)
         assert not task.done() and sc.state == "waiting"
         assert await record_of(etcd, layout)() is None
-        waits = [r.getMessage() for r in caplog.records if "waiting for engine" in r.getMessage()]
+        waits = said()
         assert waits and f"{engine.url} to answer GET /health" in waits[0], waits
         assert "try 1" in waits[0]
         await engine.start()
         try:
-            await until(record_of(etcd, layout), 8.0)
+            await wait_until(record_of(etcd, layout), what="the sidecar writes its record")
             rec = await record_of(etcd, layout)()
             assert rec is not None and (rec.role, rec.url, rec.ready, rec.healthy,
                                         rec.engine) == ("decode", engine.url, True, True,
@@ -146,7 +141,7 @@ async def test_registration_reregistration_and_a_new_address_reach_etcd_within_2
                      bootstrap_url=boot.url)
         async with running(cfg):
             read = record_of(etcd, layout)
-            await until(read, 5.0)
+            await wait_until(read, what="the sidecar writes its record")
             rec = await read()
             assert rec is not None and not rec.ready and rec.registered_ranks == 0  # 503
 
@@ -162,7 +157,7 @@ async def test_registration_reregistration_and_a_new_address_reach_etcd_within_2
                 rec = await read()
                 return bool(rec and rec.ready) and await ranks() == {
                     (0, 0, 0, 0): ("127.0.0.1", 21000), (0, 0, 1, 0): ("127.0.0.1", 21001)}
-            assert await until(both, 2.0) <= 2.0
+            await wait_until(both, what="the record is ready with both ranks' addresses")
             rec = await read()
             assert rec is not None and (rec.expected_ranks, rec.registered_ranks, rec.tp_size,
                                         rec.kv_cache_dtype) == (2, 2, 2, "bfloat16")
@@ -171,20 +166,20 @@ async def test_registration_reregistration_and_a_new_address_reach_etcd_within_2
 
             async def moved() -> bool:
                 return (await ranks()).get((0, 0, 1, 0)) == ("127.0.0.2", 21999)
-            assert await until(moved, 2.0) <= 2.0
+            await wait_until(moved, what="rank 1's new address replaces its old one")
     finally:
         await boot.stop()
         await engine.stop()
 
 
-async def test_unhealthy_within_3s_lease_revoked_after_the_grace_and_back_when_it_answers(
+async def test_unhealthy_then_lease_revoked_after_the_grace_and_back_when_it_answers(
         etcd: EtcdClient, etcd_settings: EtcdSettings, key_prefix: str,
         layout: KeyLayout) -> None:
     engine = await EngineStub().start()
     read = record_of(etcd, layout)
     try:
         async with running(config(etcd_settings, key_prefix, engine.url, grace=1.5)) as (sc, _):
-            await until(read, 5.0)
+            await wait_until(read, what="the sidecar writes its record")
             first = await read()
             assert first is not None and first.healthy
             engine.health_status = 503
@@ -192,24 +187,24 @@ async def test_unhealthy_within_3s_lease_revoked_after_the_grace_and_back_when_i
             async def unhealthy() -> bool:
                 rec = await read()
                 return rec is not None and not rec.healthy
-            assert await until(unhealthy, 3.0) <= 3.0
+            await wait_until(unhealthy, what="the record says unhealthy")
             rec = await read()
             assert rec is not None and rec.ready  # ready and healthy are told apart
 
             async def gone() -> bool:
                 return await read() is None
-            assert await until(gone, 4.0) <= 4.0  # the grace (1.5 s), then the lease revoked
+            await wait_until(gone, what="the record leaves etcd")  # after the grace: lease revoked
 
             async def waiting() -> bool:
                 # The record goes with the revoke, a moment before the sidecar's state moves.
                 return sc.state == "waiting"
-            await until(waiting, 2.0)
+            await wait_until(waiting, what="the sidecar waits for its engine again")
             engine.health_status = 200
 
             async def back() -> bool:
                 rec = await read()
                 return rec is not None and rec.healthy
-            await until(back, 5.0)
+            await wait_until(back, what="the record is back, healthy")
             again = await read()
             assert again is not None and first.started_at is not None
             assert again.started_at is not None and again.started_at > first.started_at
@@ -225,7 +220,7 @@ async def test_a_second_sidecar_for_one_instance_id_refuses_to_start(
     try:
         cfg = config(etcd_settings, key_prefix, engine.url)
         async with running(cfg):
-            await until(record_of(etcd, layout), 5.0)
+            await wait_until(record_of(etcd, layout), what="the sidecar writes its record")
             second = Sidecar(config(etcd_settings, key_prefix, engine.url))
             with pytest.raises(InstanceIdInUse):
                 await second.start()
@@ -253,7 +248,7 @@ async def test_events_of_every_dp_rank_are_indexed_and_another_block_size_is_rej
             await pub.start()
         async with running(cfg) as (sc, _):
             # The record waits for both publishers: from then on nothing published is lost.
-            await until(record_of(etcd, layout), 5.0)
+            await wait_until(record_of(etcd, layout), what="the sidecar writes its record")
             assert sc.attachment is not None
             assert [s.publishers for _, s in sc.attachment.subscribed] == [1, 1]
             publishers[0].drain([BlockStored([11], None, list(range(16)), 16)])
@@ -264,8 +259,7 @@ async def test_events_of_every_dp_rank_are_indexed_and_another_block_size_is_rej
                 kv = await etcd.get(stats_key(layout, "e0"))
                 doc = loads(kv.value) if kv is not None else None
                 return doc if doc and doc.get("received") == 3 and doc["blocks"] == 2 else None
-            await until(counted, 5.0)
-            doc = await counted()
+            doc = await wait_until(counted, what="the stats count 3 batches received and 2 blocks")
             assert doc is not None and doc["rejected"] == {"block_size_mismatch": 1}
             assert doc["applied"] == 2 and doc["last_seq"] == [0, 1]
             _, kvs = await etcd.get_prefix(layout.blocks_prefix("tiny", "e0"))
@@ -319,8 +313,12 @@ async def test_a_bootstrap_server_answering_5xx_is_not_ready_not_fatal(
                      bootstrap_url=engine.url)
         async with running(cfg) as (sc, task):
             read = record_of(etcd, layout)
-            await until(read, 5.0)
-            await asyncio.sleep(0.5)
+            await wait_until(read, what="the sidecar writes its record")
+            ranks = sc.attachment.ranks if sc.attachment is not None else None
+            assert ranks is not None
+            # Polled the 5xx bootstrap server again and again, and still serving, not ready.
+            await wait_until(lambda: ranks.polls >= 3,
+                             what="the sidecar polls the 5xx bootstrap server 3 times")
             rec = await read()
             assert not task.done() and sc.state == ATTACHED
             assert rec is not None and not rec.ready and rec.registered_ranks == 0
@@ -343,14 +341,13 @@ async def test_with_index_shards_blocks_go_to_the_instances_shard_under_a_lease_
     shard = EtcdClient(shards.clusters[1])
     try:
         async with running(cfg) as (sc, _):
-            await until(record_of(etcd, layout, iid), 5.0)
+            await wait_until(record_of(etcd, layout, iid), what="the sidecar writes its record")
             pub.drain([BlockStored([11], None, list(range(16)), 16)])
 
             async def on_shard() -> list[Any]:
                 _, kvs = await shard.get_prefix(layout.blocks_prefix("tiny", iid))
                 return kvs
-            await until(on_shard, 5.0)
-            kvs = await on_shard()
+            kvs = await wait_until(on_shard, what="the block is on the instance's shard")
             assert set(held_blocks(kv.value for kv in kvs)) == {
                 block_hashes(list(range(16)), 16)[0]}
             record = await etcd.get(layout.instance(iid))
