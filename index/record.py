@@ -181,6 +181,8 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "max_prompt_tokens": _opt(_int()),
     "max_body_bytes": _opt(_int()),
     "context_length": _opt(_int()),
+    "max_running_requests": _opt(_int()),
+    "max_total_num_tokens": _opt(_int()),
 }
 
 
@@ -232,6 +234,11 @@ class InstanceRecord:
     max_prompt_tokens: int | None = None
     max_body_bytes: int | None = None
     context_length: int | None = None
+    max_running_requests: int | None = None
+    """Requests the engine runs at once; a router puts no more on it (router/capacity.py)."""
+    max_total_num_tokens: int | None = None
+    """The engine's KV pool in tokens (pages x ``page_size``): what a router's requests there may
+    need at once."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Fields this version does not know; written back unchanged."""
 

@@ -47,6 +47,7 @@ class RouterApp:
         self.upstreams = Upstreams(config, self.state.pools)
         self.dispatcher = Dispatcher(self.state, self.upstreams)
         self.health = HealthChecker(config, self.state.pools, self.upstreams)
+        self.health.info_listeners.append(self.state.capacity.on_info)
         self.load = LoadScraper(self.state.pools, self.upstreams, config.load_interval or 1.0,
                                 config.health_timeout)
         self.server = HttpServer(self.handle, max_body=config.max_body,

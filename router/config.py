@@ -244,6 +244,13 @@ class RouterConfig:
     """Requests that may wait for a slot; past it, 429 at once."""
     queue_timeout: float = 60.0
     """Seconds a request may wait for a slot (408 after)."""
+    worker_admission: bool = True
+    """Put no more on a worker than it states it holds (``max_running_requests``, KV pool): the
+    rest wait at the router (router/capacity.py). False: forward everything at once."""
+    worker_queue_size: int = 256
+    """Requests that may wait for a worker with room; past it, 429 with ``Retry-After``."""
+    worker_queue_timeout: float = 30.0
+    """Seconds a request may wait for a worker with room (408 with ``Retry-After`` after)."""
     shutdown_grace: float = 30.0
     """Seconds a stopping router lets requests in flight finish (streams included) before it
     cuts them."""
@@ -289,7 +296,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("health_interval", "health_timeout", "request_timeout", "connect_timeout",
                      "client_read_timeout",
-                     "prediction_ttl", "retry_backoff_multiplier"):
+                     "prediction_ttl", "retry_backoff_multiplier", "worker_queue_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         check_thresholds(self.busy_queue, self.busy_kv_usage)
@@ -301,7 +308,7 @@ class RouterConfig:
         for name in ("overlap_weight", "temperature", "prediction_catch_up", "work_half_life",
                      "load_interval", "send_weight",
                      "canary_delay", "canary_interval",
-                     "shutdown_grace", "queue_size", "queue_timeout",
+                     "shutdown_grace", "queue_size", "queue_timeout", "worker_queue_size",
                      "breaker_timeout", "retry_initial_backoff",
                      "retry_max_backoff"):
             if getattr(self, name) < 0:
@@ -425,6 +432,13 @@ class RouterConfig:
                             help="requests waiting for a slot (429 past it)")
         parser.add_argument("--queue-timeout-secs", type=float, dest="queue_timeout",
                             default=d.queue_timeout, help="wait for a slot (408 after)")
+        parser.add_argument("--no-worker-admission", action="store_true",
+                            help="forward at once, whatever a worker states it holds")
+        parser.add_argument("--worker-queue-size", type=int, default=d.worker_queue_size,
+                            help="requests waiting for a worker with room (429 past it)")
+        parser.add_argument("--worker-queue-timeout-secs", type=float,
+                            dest="worker_queue_timeout", default=d.worker_queue_timeout,
+                            help="wait for a worker with room (408 after)")
         parser.add_argument("--shutdown-grace-period-secs", type=float, dest="shutdown_grace",
                             default=d.shutdown_grace,
                             help="seconds in-flight requests may finish when stopping")
@@ -478,5 +492,8 @@ class RouterConfig:
             request_id_headers=tuple(args.request_id_headers or ("x-request-id",)),
             max_concurrent_requests=args.max_concurrent_requests, queue_size=args.queue_size,
             queue_timeout=args.queue_timeout,
+            worker_admission=not args.no_worker_admission,
+            worker_queue_size=args.worker_queue_size,
+            worker_queue_timeout=args.worker_queue_timeout,
             uvloop=not args.no_uvloop,
         )

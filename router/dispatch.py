@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from router.capacity import request_need
 from router.client_ids import ClientRid, RidEcho, engine_rid
 from router.errors import NoWorkers
 from router.explain import EXPLAIN_HEADER, explain, last_cached_tokens, reported_cached_tokens, wanted
@@ -52,8 +53,11 @@ class Failure:
 
 
 def json_error(status: int, message: str, request_id: str | None = None,
-               **extra: Any) -> Response:
-    headers = {"x-request-id": request_id} if request_id else None
+               headers: dict[str, str] | None = None, **extra: Any) -> Response:
+    """``{"error": message, **extra}``; ``headers``: more headers besides the request id."""
+    if request_id:
+        headers = {**headers, "x-request-id": request_id} if headers else {
+            "x-request-id": request_id}
     return Response(status, json.dumps({"error": message, **extra}).encode(),
                     headers=headers)
 
@@ -94,6 +98,8 @@ class Dispatcher:
         ctx = RouteContext(parsed.prompts[0], parsed.model or cfg.model, parsed.hashes)
         wire_headers = encode_headers(headers)
         explaining = wanted(request.headers, cfg)
+        cap = state.capacity
+        need = request_need(parsed.body, parsed.prompts) if cap.enabled else None
         failed: set[str] = set()
         last: Failure | None = None
         rid: ClientRid | None = None
@@ -105,7 +111,8 @@ class Dispatcher:
                 await asyncio.sleep(delay * (1 + state.rng.uniform(-cfg.retry_jitter,
                                                                    cfg.retry_jitter)))
             try:
-                pair = state.select_pair(ctx, failed)
+                # Among the workers with room, waiting for one if need be (router/capacity.py).
+                pair = await cap.admit(functools.partial(state.select_pair, ctx, failed, need))
             except NoWorkers as exc:
                 if last is None:
                     return json_error(503, str(exc), request_id, role=exc.role)
@@ -119,8 +126,14 @@ class Dispatcher:
             reply = {"x-request-id": request_id}
             if explaining:
                 reply[EXPLAIN_HEADER] = explain(pair, cfg, state.prefill_policy.name)
-            result = await self._attempt(request, path, pair, body, wire_headers, parsed.stream,
-                                         reply, echo)
+            held = (cap.take(p, need, False), cap.take(pair.decode.worker, need, True)) \
+                if need is not None else (0, 0)
+            try:
+                result = await self._attempt(request, path, pair, body, wire_headers,
+                                             parsed.stream, reply, echo, held[0])
+            finally:
+                # The decode's call ended with the attempt (a stream: once it was relayed).
+                cap.give(pair.decode.worker, held[1], finished=True)
             if not isinstance(result, Failure):
                 if not isinstance(result, Response) or result.status < 400:
                     # Served (a stream only starts on the decode's 200): the prefill computed
@@ -138,9 +151,11 @@ class Dispatcher:
 
     async def _attempt(self, request: Request, path: str, pair: Pair, body: bytes,
                        headers: bytes, stream: bool, reply: dict[str, str],
-                       echo: RidEcho | None) -> Response | Stream | Failure:
+                       echo: RidEcho | None, prefill_pages: int = 0
+                       ) -> Response | Stream | Failure:
         """One attempt; ``reply``: the headers of the client's answer (its request id, and
-        the route's explanation when asked for)."""
+        the route's explanation when asked for); ``prefill_pages``: what the prefill's call
+        holds (``Capacity.take``), given back when it ends."""
         prefill, decode = pair.prefill.worker, pair.decode.worker
         prefill.requests += 1
         decode.requests += 1
@@ -152,7 +167,7 @@ class Dispatcher:
         prefill_call = self.upstreams.of(prefill).call("POST", path, headers, body)
         decode_call = self.upstreams.of(decode).call("POST", path, headers, body, stream=stream)
         prefill_call.add_done_callback(
-            functools.partial(self._prefill_done, prefill, t0, decode_call))
+            functools.partial(self._prefill_done, prefill, t0, decode_call, prefill_pages))
         try:
             resp = await decode_call
             if not stream:
@@ -220,11 +235,12 @@ class Dispatcher:
                        "application/json", prefill.instance_id)
 
     def _prefill_done(self, worker: Worker, t0: float,
-                      decode_call: asyncio.Future[UpstreamResponse],
+                      decode_call: asyncio.Future[UpstreamResponse], pages: int,
                       call: asyncio.Future[UpstreamResponse]) -> None:
         """Bookkeeping of a finished prefill call; a failed one also stops a decode still
         waiting for its answer's head (it would only wait for KV that never comes)."""
         worker.load -= 1
+        self.state.capacity.give(worker, pages)
         self.state.metrics.latency["prefill"].observe(time.perf_counter() - t0)
         if call.cancelled():
             return

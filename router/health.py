@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from router.config import RouterConfig
 from router.http.client import UpstreamError
@@ -24,6 +26,8 @@ class HealthChecker:
         self.pools = pools
         self.upstreams = upstreams
         self.rounds = 0
+        self.info_listeners: list[Callable[[Worker, Any], None]] = []
+        """Told of every /server_info read (e.g. the capacity it states: router/capacity.py)."""
 
     async def run(self) -> None:
         while True:
@@ -81,6 +85,8 @@ class HealthChecker:
             info = json.loads(body) if status == 200 else None
         except (ValueError, UnicodeDecodeError, RecursionError):
             info = None
+        for listener in self.info_listeners:
+            listener(worker, info)
         stated, known = stated_limits(info, worker.instance_id), worker.limits
         # An etcd record's statement stays first: it names this very process.
         limits = Stated(known.prompt or stated.prompt, known.body or stated.body)

@@ -12,6 +12,7 @@ from index.hashing import BASE_SEED
 from index.reader import IndexReader, IndexStatus
 from index.tiers import TierMatch
 from router.canary import Canaries
+from router.capacity import Capacity, Need
 from router.config import RouterConfig
 from router.discovery import InstanceDiscovery
 from router.engine_load import Thresholds, fresh
@@ -66,6 +67,11 @@ class RouterState:
         self.canaries = Canaries(config, self.metrics, self.index_match, self._index_live,
                                  self.guards.is_ignored)
         self.pools.listeners.append(self.canaries.on_worker)
+        self.capacity = Capacity(config.worker_admission, config.worker_queue_size,
+                                 config.worker_queue_timeout)
+        """What each worker states it holds and what the router's requests hold there; the
+        queue of requests waiting for room (router/capacity.py)."""
+        self.pools.listeners.append(self.capacity.on_worker)
         for url, port in config.prefill:
             self.pools.add(PREFILL, url, bootstrap_port=port, model=config.model)
         for url in config.decode:
@@ -223,10 +229,17 @@ class RouterState:
         m.child(m.busy_fallbacks, role).inc()
         return workers
 
-    def select_pair(self, ctx: RouteContext, exclude: set[str] | None = None) -> Pair:
+    def select_pair(self, ctx: RouteContext, exclude: set[str] | None = None,
+                    need: Need | None = None) -> Pair:
+        """The pair for ``ctx``; with ``need``, among the workers with room for it (NoRoom
+        when a role has none: the request waits, router/capacity.py)."""
         t0 = time.perf_counter()
         prefills = self._available(PREFILL, exclude)
         decodes = self._available(DECODE, exclude)
+        if need is not None:
+            room = self.capacity.with_room
+            prefills = room(prefills, need, False, PREFILL)
+            decodes = room(decodes, need, True, DECODE)
         pair = Pair(self.prefill_policy.select(prefills, ctx),
                     self.decode_policy.select(decodes, ctx))
         self.metrics.decision.observe(time.perf_counter() - t0)

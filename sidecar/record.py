@@ -64,4 +64,6 @@ def build_record(cfg: SidecarConfig, *, info: dict[str, Any], topo: PrefillServe
         registered_ranks=registered if cfg.bootstrap_url else None, topology=topology,
         max_prompt_tokens=_int(info, "max_prompt_tokens"),
         max_body_bytes=_int(info, "max_body_bytes"),
-        context_length=_int(info, "context_length"))
+        context_length=_int(info, "context_length"),
+        max_running_requests=_int(info, "max_running_requests"),
+        max_total_num_tokens=_int(info, "max_total_num_tokens"))

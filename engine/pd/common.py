@@ -70,12 +70,16 @@ def served_fields(cfg: PDConfig, sched: Scheduler) -> dict[str, Any]:
     """What an instance's etcd record says about what it serves, beside ``model`` (the served
     name): ``tokenizer`` (``tokenization.tokenizer_record``: its source and fingerprint, so
     that a router can tell whether it tokenizes as this engine does), ``context_length``, and
-    the longest prompt and body it takes (as ``/server_info`` reports them)."""
+    the longest prompt and body it takes, and what it holds at once (``max_running_requests``,
+    its KV pool as ``max_total_num_tokens``: router/capacity.py), as ``/server_info`` reports
+    them."""
     e, m = cfg.engine, cfg.engine.model_config
     return {"tokenizer": tokenizer_record(sched.tokenizer),
             "context_length": m.max_positions,
             "max_prompt_tokens": min(m.max_prompt_tokens, e.kv_pages * e.page_size),
-            "max_body_bytes": e.max_request_bytes}
+            "max_body_bytes": e.max_request_bytes,
+            "max_running_requests": e.max_running,
+            "max_total_num_tokens": e.kv_pages * e.page_size}
 
 
 @dataclass(frozen=True)
