@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from waiting import wait_until
 
 from bootstrap.client import BootstrapClient, BootstrapClientConfig, format_addr, parse_addr
 from bootstrap.errors import (
@@ -100,7 +101,7 @@ class SGLangLikeServer:
             if self.mode == "bad_doc":
                 return web.json_response({"attn_tp_size": 2, "dp_size": 1})
             if self.mode == "slow":
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(1.0)  # a slow server is the thing tested, not a wait
             if self.mode == "boom":
                 return web.Response(status=500, text="Internal Server Error")
             return web.json_response(self.topology.to_json())
@@ -385,14 +386,26 @@ async def test_against_the_kvatlas_bootstrap_server() -> None:
     decode_config = BootstrapClientConfig(retry_interval_s=0.02, tries=500, auth_token="tok")
     try:
         async with BootstrapClient(decode_config) as client, aiohttp.ClientSession() as prefill:
+            async def not_ready_answers() -> float:
+                """Topology queries the server answered 503 (not every rank registered)."""
+                async with prefill.get(f"http://127.0.0.1:{config.port}/metrics") as resp:
+                    text = await resp.text()
+                line = 'kvatlas_bootstrap_route_queries_total{kind="topology",status="503"} '
+                return sum(float(x[len(line):]) for x in text.splitlines() if x.startswith(line))
+
             waiting = asyncio.ensure_future(client.get_topology("127.0.0.1", config.port))
-            await asyncio.sleep(0.1)
+            await wait_until(not_ready_answers, what="the client asks for the topology")
             for cell in cells[:-1]:
                 async with prefill.put(f"http://127.0.0.1:{config.port}/route",
                                        json=_registration(*cell, ports[cell]),
                                        headers={"Authorization": "Bearer tok"}) as resp:
                     assert resp.status == 200, await resp.text()
-            await asyncio.sleep(0.1)
+            asked = await not_ready_answers()
+
+            async def asked_twice_more() -> bool:
+                return await not_ready_answers() >= asked + 2
+            await wait_until(asked_twice_more,
+                             what="the client asks twice more with one rank unregistered")
             assert not waiting.done(), "topology answered before the last rank registered"
             last = cells[-1]
             async with prefill.put(f"http://127.0.0.1:{config.port}/route",
