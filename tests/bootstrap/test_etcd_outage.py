@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from bootstrap_helpers import TOPOLOGY_QUERY, rank_body, route_query
+from waiting import wait_until
 
 from bootstrap.config import BootstrapConfig
 from bootstrap.server import STATE, create_app
@@ -29,23 +29,29 @@ async def _wait_mirror(etcd: EtcdClient, layout: KeyLayout, iid: str,
                        want: dict[tuple[int, int, int, int], int], timeout: float) -> None:
     """Wait until etcd holds exactly ``want`` (cell -> port) under a live lease, plus a ready
     instance record; fails after ``timeout``."""
-    t0 = time.monotonic()
-    last: Any = None
-    while time.monotonic() - t0 < timeout:
+    last: list[Any] = [None]
+
+    async def mirrored() -> bool:
         try:
             inst = await etcd.get(layout.instance(iid))
             _, kvs = await etcd.get_prefix(layout.ranks_prefix(iid))
-            got = {layout.parse_rank(kv.key)[1]: loads(kv.value)["rank_port"] for kv in kvs}
-            leases = {kv.lease for kv in kvs} | ({inst.lease} if inst else set())
-            last = got
-            if inst is not None and loads(inst.value)["ready"] and got == want and len(leases) == 1:
-                (lease,) = leases
-                if lease and await etcd.lease_ttl(lease) > 0:
-                    return
         except EtcdError as exc:
-            last = exc
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"mirror not complete after {timeout}s; last seen: {last}")
+            last[0] = exc
+            return False
+        got = {layout.parse_rank(kv.key)[1]: loads(kv.value)["rank_port"] for kv in kvs}
+        leases = {kv.lease for kv in kvs} | ({inst.lease} if inst else set())
+        last[0] = got
+        if inst is None or not loads(inst.value)["ready"] or got != want or len(leases) != 1:
+            return False
+        (lease,) = leases
+        try:
+            return bool(lease) and await etcd.lease_ttl(lease) > 0
+        except EtcdError as exc:
+            last[0] = exc
+            return False
+
+    await wait_until(mirrored, what=f"etcd mirrors {want} under one live lease",
+                     timeout=timeout, interval=0.1, detail=lambda: last[0])
 
 
 async def test_serves_from_memory_while_etcd_is_down_and_remirrors(
@@ -65,24 +71,23 @@ async def test_serves_from_memory_while_etcd_is_down_and_remirrors(
         member = own_etcd.members[0]
         await asyncio.to_thread(member.stop)
         # From memory: topology and every cell, while the mirror notices the outage.
-        for _ in range(3):
+        async def served_from_memory_until_degraded() -> bool:
             assert (await client.get("/route", params=TOPOLOGY_QUERY)).status == 200
             for (dp, cp, tp, pp), port in want.items():
                 resp = await client.get("/route", params=route_query(dp, cp, tp, pp))
                 assert resp.status == 200 and (await resp.json())["rank_port"] == port
-            await asyncio.sleep(0.5)
+            return mirror.state == "degraded"
+        await wait_until(served_from_memory_until_degraded, what="the mirror is degraded",
+                         interval=0.1, detail=lambda: mirror.state)
         # A rank restarts during the outage: memory takes it at once.
         want[(0, 0, 2, 0)] = 29002
         assert (await client.put("/route", json=rank_body(tp=2, tp_size=4, port=29002))).status == 200
         resp = await client.get("/route", params=route_query(0, 0, 2, 0))
         assert (await resp.json())["rank_port"] == 29002
-        deadline = time.monotonic() + 30  # generous: a loaded box notices late
-        while mirror.state != "degraded":
-            assert time.monotonic() < deadline, f"mirror state stayed {mirror.state}"
-            await asyncio.sleep(0.1)
         metrics = await (await client.get("/metrics")).text()
         assert 'kvatlas_bootstrap_mirror_state{state="degraded"} 1.0' in metrics
-        await asyncio.sleep(2.5)  # longer than the lease TTL
+        # On purpose, not a wait: the outage outlasts the lease TTL, so the lease is lost.
+        await asyncio.sleep(2.5)
 
         await asyncio.to_thread(member.start)
         await asyncio.to_thread(member.wait_ready)
@@ -115,12 +120,12 @@ async def test_etcd_unreachable_at_start_then_mirrored_when_it_comes(aiohttp_cli
         assert (await client.get("/route", params=TOPOLOGY_QUERY)).status == 200
         table = await (await client.get("/table")).json()
         assert table["ready"] is True and table["mirror"]["state"] != "synced"
-        deadline = asyncio.get_running_loop().time() + 30
-        while client.server.app[STATE].mirror.state != "degraded":  # not stuck at "connecting"
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)
-        assert client.server.app[STATE].mirror.lag >= 1.0  # the first change is still waiting
+        mirror = client.server.app[STATE].mirror
+        await wait_until(lambda: mirror.state == "degraded",  # not stuck at "connecting"
+                         what="the mirror is degraded", detail=lambda: mirror.state)
+        # The first change is still waiting: its lag grows (and is not reset by the retries).
+        await wait_until(lambda: mirror.lag >= 1.0, what="the mirror's lag reaches 1 s",
+                         detail=lambda: (mirror.state, mirror.lag))
 
         await asyncio.to_thread(cluster.start)
         etcd = EtcdClient(settings)
