@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,6 +96,10 @@ def _int(lo: int | None = None, hi: int | None = None) -> Callable[[Any], int]:
 def _number(v: Any) -> float:
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         raise ValueError(f"must be a number, got {type(v).__name__}")
+    # JSON as Python reads it takes NaN and Infinity: no time a process started (and a NaN
+    # never equals itself, so a restart watch would see a new process on every put).
+    if not math.isfinite(v):
+        raise ValueError(f"must be a finite number, got {v}")
     return v
 
 
@@ -303,7 +308,7 @@ class InstanceRecord:
         k = _key_text(key)
         try:
             doc = json.loads(raw)
-        except (ValueError, TypeError, RecursionError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:  # UnicodeDecodeError included
             raise RecordError(k, MALFORMED, f"not JSON ({type(exc).__name__})") from None
         return cls.from_dict(doc, key=k, instance_id=instance_id)
 
@@ -338,7 +343,10 @@ class InstanceRecord:
             except ValueError as exc:
                 raise RecordError(k, MALFORMED, f"field {name} {exc}") from None
         extra = {n: val for n, val in doc.items() if n not in _KNOWN and n != "v"}
-        return cls(**values, extra=extra)
+        try:
+            return cls(**values, extra=extra)
+        except (ValueError, TypeError) as exc:  # the writer's checks: one error from a reader
+            raise RecordError(k, MALFORMED, str(exc)) from None
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(InstanceRecord) if f.name != "extra")

@@ -5,9 +5,11 @@ expires and the delete arrives here as a watch event, so pools follow etcd withi
 trip. The get-then-watch loop is ``index.follow.PrefixFollower``: a broken watch resumes from the
 last applied revision + 1 (a delete missed while disconnected still arrives), and a compaction,
 a silent stream or a failure to apply answers with a fresh snapshot that the etcd-sourced
-workers are reconciled with. A record that ``index.record`` refuses (malformed, or written by a
-newer kvatlas) is skipped like one without a url, counted by reason in
-``stats()["records_refused"]`` and logged once per key.
+workers are reconciled with. A key that is no instance key (not UTF-8, an invalid id) is skipped,
+and a record that ``index.record`` refuses (malformed, or written by a newer kvatlas) is skipped
+like one without a url (its instance leaves the pools); both are counted by reason in
+``stats()["skipped"]`` (records also in ``records_refused``) and logged once per key
+(``index.follow``), and every other key applies, deletions included.
 
 A watch on a member that lost its leader neither fails nor delivers events (etcd 3.5 even
 answers progress requests from its local store), so a linearizable probe checks quorum and
@@ -21,10 +23,10 @@ from __future__ import annotations
 import logging
 import time
 
-from index.etcd import EtcdClient, KeyValue, WatchEvent
-from index.follow import PrefixFollower
+from index.etcd import EtcdClient
+from index.follow import Entry, PrefixFollower
 from index.keys import KeyLayout
-from index.record import RecordReader
+from index.record import REASONS, InstanceRecord, RecordReader
 from router.workers import ETCD, ROLES, WorkerPools, parse_instance_record
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,8 @@ ETCD_SOURCE = ETCD
 
 class InstanceDiscovery(PrefixFollower):
     """Keeps the etcd-sourced workers of ``pools`` equal to the instance keys in etcd."""
+
+    kind = "instances"
 
     def __init__(self, client: EtcdClient, layout: KeyLayout, pools: WorkerPools,
                  model: str | None = None, progress_every: float = 1.0,
@@ -45,7 +49,8 @@ class InstanceDiscovery(PrefixFollower):
         self.model = model
         self.synced_at: float | None = None
         self.records = RecordReader()
-        """Parses the records; counts the refused ones (malformed, newer_version) by reason."""
+        """The router's reading of a record (``parse_instance_record``): the records that reach
+        it have passed ``decode``, so it refuses none."""
 
     @property
     def state(self) -> str:
@@ -64,14 +69,20 @@ class InstanceDiscovery(PrefixFollower):
     def stats(self) -> dict[str, object]:
         return {"state": self.state, **self.follow_stats(),
                 "probe_error": self.liveness.last_probe_error,
-                "records_refused": self.records.stats()}
+                "records_refused": {r: self.skipped[r] for r in REASONS}}
 
     # --- the follower's hooks ---------------------------------------------------------------
 
-    def load(self, revision: int, kvs: list[KeyValue]) -> None:
+    def parse_key(self, key: bytes) -> str:
+        return self.layout.parse_instance(key)
+
+    def decode(self, name: str, value: bytes) -> InstanceRecord:
+        return InstanceRecord.from_json(value, key=self.layout.instance(name), instance_id=name)
+
+    def load(self, revision: int, entries: list[Entry]) -> None:
         seen: set[tuple[str, str]] = set()
-        for kv in kvs:
-            key = self._apply_put(kv.key, kv.value)
+        for e in entries:
+            key = self._apply_put(e.name, e.value)
             if key is not None:
                 seen.add(key)
         # Reconcile: an etcd-sourced worker whose key is gone left while we were not watching.
@@ -81,19 +92,17 @@ class InstanceDiscovery(PrefixFollower):
                     self.pools.remove(role, worker.instance_id)
         self.synced_at = time.time()
 
-    def apply(self, events: list[WatchEvent]) -> None:
-        for ev in events:
-            if ev.put:
-                self._apply_put(ev.key, ev.value)
-            else:
-                self.records.forget(ev.key)
-                self._apply_delete(ev.key)
+    def apply(self, entries: list[Entry]) -> None:
+        for e in entries:
+            if e.data is not None:
+                self._apply_put(e.name, e.value)
+            else:  # deleted, or now a record nobody can read: either way not a worker
+                self._apply_delete(e.name)
 
-    def _apply_put(self, key: bytes, value: bytes) -> tuple[str, str] | None:
-        iid = self.layout.parse_instance(key)
-        rec = parse_instance_record(iid, value, self.records, key)
+    def _apply_put(self, iid: str, value: bytes) -> tuple[str, str] | None:
+        rec = parse_instance_record(iid, value, self.records, self.layout.instance(iid))
         if rec is None or (self.model is not None and rec["model"] not in (None, self.model)):
-            self._apply_delete(key)
+            self._apply_delete(iid)
             return None
         for role in ROLES:
             # A record whose role changed leaves its old pool.
@@ -105,8 +114,7 @@ class InstanceDiscovery(PrefixFollower):
                        record=rec["raw"])
         return rec["role"], rec["instance_id"]
 
-    def _apply_delete(self, key: bytes) -> None:
-        iid = self.layout.parse_instance(key)
+    def _apply_delete(self, iid: str) -> None:
         for role in ROLES:
             worker = self.pools.get(role, iid)
             if worker is not None and worker.source == ETCD_SOURCE:

@@ -20,6 +20,10 @@ it arrives, if the value is younger than ``max_age`` by its header time: a live 
 milliseconds old, while a snapshot (start-up, a reload) or a ring rewritten after its router's
 new lease holds old ones, which must not come back. (Router clocks must agree within
 ``max_age``, the prediction catch-up time; skewed ones show as ``stale`` in the metrics.)
+
+A key or value that does not read (``decode`` is strict: no bool for a count, counts that add
+up to the hashes, at most ``MAX_ITEMS`` items of valid instance ids) is skipped, counted by
+reason in ``refused`` and logged once (``index.follow``).
 """
 from __future__ import annotations
 
@@ -31,10 +35,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from index.etcd import EtcdClient, KeyValue, WatchEvent
-from index.follow import PrefixFollower
-from index.framing import pack, unpack
-from index.keys import KeyLayout
+from index.errors import MalformedValue
+from index.etcd import EtcdClient
+from index.follow import Entry, PrefixFollower
+from index.framing import finite_number, pack, strict_int, unpack
+from index.keys import KeyLayout, validate_instance_id
 from index.lease import LeaseSession, cancel_and_wait
 from index.owned import LeasedKeys
 from router.errors import RouterError
@@ -52,12 +57,11 @@ PeerPrediction = tuple[str, "str | None", tuple[int, ...]]
 """(instance, model, prompt block hashes) another router routed."""
 
 
-class MalformedPrediction(RouterError, ValueError):
+class MalformedPrediction(RouterError, MalformedValue):
     """A predictions value this version cannot read; counted by reason and skipped."""
 
     def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
+        MalformedValue.__init__(self, reason, detail)
 
 
 def encode(t: float, items: Sequence[PeerPrediction]) -> bytes:
@@ -67,27 +71,41 @@ def encode(t: float, items: Sequence[PeerPrediction]) -> bytes:
 
 
 def decode(raw: bytes) -> tuple[float, list[PeerPrediction]]:
-    """(flush time, items) of a value; MalformedPrediction when it is not one."""
+    """(flush time, items) of a value; MalformedPrediction when it is not one, and never another
+    exception (the value comes from etcd, where any bytes can be)."""
     header, body = unpack(raw, VERSION, MalformedPrediction)
     items_in = header.get("items")
     t = header.get("t")
-    if not isinstance(items_in, list) or not isinstance(t, (int, float)):
-        raise MalformedPrediction("bad_header", "items or t missing")
+    if not isinstance(items_in, list) or not finite_number(t):
+        raise MalformedPrediction("bad_header", "items or t missing or ill-typed")
+    if len(items_in) > MAX_ITEMS:
+        raise MalformedPrediction("bad_header", f"{len(items_in)} items, at most {MAX_ITEMS}")
     if len(body) % 8:
         raise MalformedPrediction("bad_hashes", f"{len(body)} bytes of hashes")
     hashes = struct.unpack(f"<{len(body) // 8}Q", body)
     items: list[PeerPrediction] = []
     at = 0
     for item in items_in:
-        if (not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], str)
-                or not isinstance(item[2], int) or item[2] < 0
+        # strict_int: ``true`` is no count (a bool is an int to Python).
+        if (not isinstance(item, list) or len(item) != 3 or not _instance(item[0])
+                or not strict_int(item[2], 0, 2**63)
                 or not (item[1] is None or isinstance(item[1], str))):
             raise MalformedPrediction("bad_item", str(item)[:80])
+        if at + item[2] > len(hashes):
+            raise MalformedPrediction("bad_hashes", f"{len(hashes)} hashes, more announced")
         items.append((item[0], item[1], hashes[at:at + item[2]]))
         at += item[2]
     if at != len(hashes):
         raise MalformedPrediction("bad_hashes", f"{len(hashes)} hashes for {at} announced")
     return float(t), items
+
+
+def _instance(value: object) -> bool:
+    try:
+        validate_instance_id(value)  # type: ignore[arg-type]
+    except ValueError:
+        return False
+    return True
 
 
 @dataclasses.dataclass
@@ -166,6 +184,8 @@ class PredictionPublisher:
 class PeerPredictions(PrefixFollower):
     """Follows every router's ring and hands the others' predictions to ``on_peer``."""
 
+    kind = "predictions"
+
     def __init__(self, client: EtcdClient, layout: KeyLayout, router_id: str,
                  on_peer: Callable[[str, str | None, tuple[int, ...]], None],
                  max_age: float, stats: ShareStats | None = None) -> None:
@@ -175,35 +195,32 @@ class PeerPredictions(PrefixFollower):
         self.on_peer = on_peer
         self.max_age = max_age
         self.stats = stats or ShareStats()
-        self.refused: Counter[str] = Counter()
 
-    def load(self, revision: int, kvs: list[KeyValue]) -> None:
-        for kv in kvs:
-            self._take(kv.key, kv.value)
+    @property
+    def refused(self) -> Counter[str]:
+        """Keys and values skipped, by reason (``bad_key``, ``decode``'s)."""
+        return self.skipped
 
-    def apply(self, events: list[WatchEvent]) -> None:
-        for ev in events:
-            if ev.put:
-                self._take(ev.key, ev.value)
+    def parse_key(self, key: bytes) -> str:
+        return self.layout.parse_prediction(key)
 
-    def _take(self, key: bytes, value: bytes) -> None:
+    def decode(self, name: str, value: bytes) -> tuple[float, list[PeerPrediction]] | None:
+        # This router's own ring is not read at all (its values are not judged either).
+        return decode(value) if name != self.router_id else None
+
+    def load(self, revision: int, entries: list[Entry]) -> None:
+        for e in entries:
+            self._take(e.data)
+
+    def apply(self, entries: list[Entry]) -> None:
+        for e in entries:
+            if e.data is not None:
+                self._take(e.data)
+
+    def _take(self, value: tuple[float, list[PeerPrediction]]) -> None:
         # Every value is judged by its age: a live put is a few milliseconds old, while a
         # snapshot's slots and a ring rewritten after its router's new lease hold old ones.
-        try:
-            router = self.layout.parse_prediction(key)
-        except ValueError:
-            self.refused["bad_key"] += 1
-            return
-        if router == self.router_id:
-            return
-        try:
-            t, items = decode(value)
-        except MalformedPrediction as exc:
-            if not self.refused[exc.reason]:
-                logger.warning("shared predictions: %s from router %s refused: %s", exc.reason,
-                               router, exc)
-            self.refused[exc.reason] += 1
-            return
+        t, items = value
         if time.time() - t > self.max_age:
             self.stats.stale += len(items)
             return

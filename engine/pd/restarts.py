@@ -14,17 +14,18 @@ comes back after its old record expired is still noticed as a new one.
 The get-then-watch loop is ``index.follow.PrefixFollower``: a broken watch resumes, and a stream
 that goes silent for ``stale_after`` seconds (a hang without an error) is answered with a fresh
 snapshot, so a restart that a stuck stream never delivered is still noticed, compared against
-the identities known before.
+the identities known before. A key or record it cannot read is skipped, counted by reason in
+``skipped`` and logged once (``index.follow``); it never stops the watch.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
 
-from index.etcd import EtcdClient, KeyValue, WatchEvent
-from index.follow import PrefixFollower
+from index.etcd import EtcdClient
+from index.follow import Entry, PrefixFollower
 from index.keys import KeyLayout
-from index.record import PREFILL, RecordReader
+from index.record import PREFILL, InstanceRecord
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +33,8 @@ OnChange = Callable[[str, str], Awaitable[None]]
 """``(bootstrap address "host:port", reason)``."""
 
 
-def _identity(reader: RecordReader, layout: KeyLayout, key: bytes,
-              value: bytes) -> tuple[str, object] | None:
-    """(bootstrap address, process identity) of a prefill instance record; None otherwise
-    (also for a record ``reader`` refuses: it counts and logs that)."""
-    rec = reader.read(key, value, instance_id=layout.parse_instance(key))
+def _identity(rec: InstanceRecord | None) -> tuple[str, object] | None:
+    """(bootstrap address, process identity) of a prefill instance record; None otherwise."""
     if rec is None or rec.role != PREFILL:
         return None
     host, port = rec.bootstrap_host, rec.bootstrap_port
@@ -48,6 +46,8 @@ def _identity(reader: RecordReader, layout: KeyLayout, key: bytes,
 
 class PrefillRestarts(PrefixFollower):
     """Calls ``on_change`` when the process identity in a prefill's record changes."""
+
+    kind = "instances"
 
     def __init__(self, client: EtcdClient, layout: KeyLayout, on_change: OnChange,
                  progress_every: float = 2.0, stale_after: float | None = None) -> None:
@@ -61,18 +61,22 @@ class PrefillRestarts(PrefixFollower):
         until the next reload)."""
         self.changes = 0
         self.layout = layout
-        self.records = RecordReader()
-        """Parses the records; counts the refused ones by reason."""
         self._loaded = False
 
     # --- the follower's hooks ---------------------------------------------------------------
 
-    async def load(self, revision: int, kvs: list[KeyValue]) -> None:
+    def parse_key(self, key: bytes) -> str:
+        return self.layout.parse_instance(key)
+
+    def decode(self, name: str, value: bytes) -> InstanceRecord:
+        return InstanceRecord.from_json(value, key=self.layout.instance(name), instance_id=name)
+
+    async def load(self, revision: int, entries: list[Entry]) -> None:
         seen: dict[bytes, tuple[str, object]] = {}
-        for kv in kvs:
-            ident = _identity(self.records, self.layout, kv.key, kv.value)
+        for e in entries:
+            ident = _identity(e.data)
             if ident is not None:
-                seen[kv.key] = ident
+                seen[e.key] = ident
         if self._loaded:  # a reload: what changed while not watching counts too
             for key, new in seen.items():
                 old = self.known.get(key)
@@ -80,16 +84,15 @@ class PrefillRestarts(PrefixFollower):
                     await self._changed(old[0], "a new process registered while disconnected")
         self.known, self._loaded = seen, True
 
-    async def apply(self, events: list[WatchEvent]) -> None:
-        for ev in events:
-            if not ev.put:
-                self.records.forget(ev.key)
+    async def apply(self, entries: list[Entry]) -> None:
+        for e in entries:
+            if not e.put:
                 continue  # see the module docstring: the last identity stays
-            old = self.known.get(ev.key)
-            ident = _identity(self.records, self.layout, ev.key, ev.value)
+            old = self.known.get(e.key)
+            ident = _identity(e.data)
             if ident is None:
                 continue
-            self.known[ev.key] = ident
+            self.known[e.key] = ident
             if old is not None and old != ident:
                 await self._changed(old[0], "a new process registered under the same id")
 
