@@ -100,6 +100,8 @@ class Dispatcher:
         explaining = wanted(request.headers, cfg)
         cap = state.capacity
         need = request_need(parsed.body, parsed.prompts) if cap.enabled else None
+        # Not routed to a worker whose own limits it exceeds (router/limits.py).
+        unfit = state.pools.limits.unfit(parsed.prompts, len(parsed.raw or b""))
         failed: set[str] = set()
         last: Failure | None = None
         rid: ClientRid | None = None
@@ -112,7 +114,8 @@ class Dispatcher:
                                                                    cfg.retry_jitter)))
             try:
                 # Among the workers with room, waiting for one if need be (router/capacity.py).
-                pair = await cap.admit(functools.partial(state.select_pair, ctx, failed, need))
+                pair = await cap.admit(functools.partial(state.select_pair, ctx, failed, need,
+                                                         unfit=unfit))
             except NoWorkers as exc:
                 if last is None:
                     return json_error(503, str(exc), request_id, role=exc.role)

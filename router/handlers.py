@@ -138,7 +138,8 @@ async def debug_route(svc: Services, request: Request) -> Response:
     t0 = time.perf_counter()
     model = parsed.model or state.config.model
     ctx = RouteContext(parsed.prompts[0], model, parsed.hashes)
-    pair = state.select_pair(ctx)
+    pair = state.select_pair(ctx, unfit=state.pools.limits.unfit(parsed.prompts,
+                                                                 len(request.body)))
     p, d = pair.prefill, pair.decode
     decision_us = round((time.perf_counter() - t0) * 1e6, 1)
     tokens = parsed.prompts[0]

@@ -12,7 +12,7 @@ from typing import Any
 
 from router.config import RouterConfig
 from router.http.client import UpstreamError
-from router.limits import Stated, stated_limits
+from router.limits import prefer
 from router.upstreams import Upstreams
 from router.workers import Worker, WorkerPools
 
@@ -58,6 +58,7 @@ class HealthChecker:
             if not worker.healthy and worker.health_successes >= cfg.health_success_threshold:
                 worker.healthy = True
                 logger.info("%s worker %s is healthy again", worker.role, worker.instance_id)
+                self.pools.health_changed(worker)
         else:
             worker.health_successes = 0
             worker.health_failures += 1
@@ -65,6 +66,7 @@ class HealthChecker:
                 worker.healthy = False
                 logger.warning("%s worker %s is unhealthy (%d failed checks)", worker.role,
                                worker.instance_id, worker.health_failures)
+                self.pools.health_changed(worker)
         return ok
 
     async def ask_info(self, worker: Worker) -> None:
@@ -87,9 +89,9 @@ class HealthChecker:
             info = None
         for listener in self.info_listeners:
             listener(worker, info)
-        stated, known = stated_limits(info, worker.instance_id), worker.limits
+        stated, known = self.pools.limits.stated(info, worker.instance_id), worker.limits
         # An etcd record's statement stays first: it names this very process.
-        limits = Stated(known.prompt or stated.prompt, known.body or stated.body)
+        limits = prefer(known, stated)
         if limits != known:
             logger.info("%s worker %s takes %s", worker.role, worker.instance_id, limits)
             self.pools.learned(worker, limits)

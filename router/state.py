@@ -230,12 +230,15 @@ class RouterState:
         return workers
 
     def select_pair(self, ctx: RouteContext, exclude: set[str] | None = None,
-                    need: Need | None = None) -> Pair:
+                    need: Need | None = None, unfit: frozenset[str] = frozenset()) -> Pair:
         """The pair for ``ctx``; with ``need``, among the workers with room for it (NoRoom
         when a role has none: the request waits, router/capacity.py)."""
         t0 = time.perf_counter()
         prefills = self._available(PREFILL, exclude)
         decodes = self._available(DECODE, exclude)
+        if unfit:  # workers whose own limits the request exceeds (router/limits.py)
+            prefills = self.pools.fitting(PREFILL, prefills, unfit)
+            decodes = self.pools.fitting(DECODE, decodes, unfit)
         if need is not None:
             room = self.capacity.with_room
             prefills = room(prefills, need, False, PREFILL)

@@ -42,8 +42,8 @@ from index.record import DECODE, PREFILL, RecordReader
 from router.breaker import CircuitBreaker
 from router.config import RouterConfig, check_url
 from router.engine_load import EngineLoad
-from router.errors import DiscoveredWorker
-from router.limits import Stated, WorkerLimits, stated_limits
+from router.errors import DiscoveredWorker, NoWorkers
+from router.limits import Stated, WorkerLimits, prefer
 from tokenization import canonical_model
 
 logger = logging.getLogger(__name__)
@@ -133,6 +133,7 @@ class Worker:
                 "bootstrap_port": self.bootstrap_port, "shadowed_by": self.shadowed_by,
                 "max_prompt_tokens": self.limits.prompt.value if self.limits.prompt else None,
                 "max_body_bytes": self.limits.body.value if self.limits.body else None,
+                "ignored_limits": {name: value for name, value in self.limits.ignored},
                 "engine": self.engine.describe() if self.engine is not None else None}
 
 
@@ -174,7 +175,7 @@ class WorkerPools:
         """models() as of the last change to the pools (it is asked on every request)."""
         self.listeners: list[Any] = []
         """Callables ``(event, worker)`` told of "join", "leave" and "moved" (a new URL)."""
-        self.limits = WorkerLimits(config.max_prompt_tokens)
+        self.limits = WorkerLimits(config.max_prompt_tokens, config.block_size)
 
     def new_breaker(self) -> CircuitBreaker:
         c = self.config
@@ -228,8 +229,8 @@ class WorkerPools:
         # Paired before the listeners hear of it: they see who is shadowed already.
         self._pair(role)
         # What the record states wins over what /server_info told: it names this process.
-        stated, known = stated_limits(record, iid), worker.limits
-        self.learned(worker, Stated(stated.prompt or known.prompt, stated.body or known.body))
+        stated, known = self.limits.stated(record, iid), worker.limits
+        self.learned(worker, prefer(stated, Stated(known.prompt, known.body)))
         for event in events:
             self._tell(event, worker)
         return worker
@@ -240,6 +241,7 @@ class WorkerPools:
             self._models = None
             logger.info("%s worker %s left", role, instance_id)
             self._pair(role)  # a static twin it shadowed serves again
+            self.limits.forget(instance_id)
             self.limits.rebuild(self.counted())
             self._tell("leave", worker)
         return worker
@@ -310,7 +312,27 @@ class WorkerPools:
     def learned(self, worker: Worker, limits: Stated) -> None:
         """``worker`` takes what ``limits`` says."""
         worker.limits = limits
+        self.limits.note_ignored(worker.instance_id, limits)
         self.limits.rebuild(self.counted())
+
+    def health_changed(self, worker: Worker) -> None:
+        """``worker`` turned healthy or unhealthy: only the limits of those that can serve
+        bound what the router takes."""
+        self.limits.rebuild(self.counted())
+
+    def fitting(self, role: str, workers: list[Worker], unfit: frozenset[str]) -> list[Worker]:
+        """``workers`` but those whose own limits a request exceeds (``unfit``); NoWorkers
+        (503) naming them when none is left, though some worker that cannot serve now (not
+        ready, unhealthy, its circuit open) would take it."""
+        if not unfit:
+            return workers
+        fit = [w for w in workers if w.instance_id not in unfit]
+        if not fit:
+            names = ", ".join(sorted(w.instance_id for w in workers))
+            raise NoWorkers(role, f"the available {role} workers ({names}) take less than this "
+                                  f"request (their prompt or body limits); those that would "
+                                  f"take it cannot serve now")
+        return fit
 
     def counted(self) -> list[Worker]:
         """Every worker but the shadowed ones: what counts (limits, gauges, readiness)."""

@@ -202,3 +202,107 @@ async def test_a_large_body_is_routed_like_a_small_one(stubs: Any, make_router: 
     assert route["prompt_blocks"] == min((len(text) + 1) // 16, MAX_ROUTED_BLOCKS)
     resp = await client.post("/generate", json={"text": text})
     assert resp.status == 200 and d.bodies[0]["text"] == text
+
+
+async def _etcd_router(start_router: Any, etcd_settings: Any, key_prefix: str) -> Any:
+    client = await start_router(RouterConfig(etcd=etcd_settings, etcd_prefix=key_prefix,
+                                             model="tiny", health_interval=60.0))
+
+    async def ready() -> bool:
+        return (await client.get("/readiness")).status == 200
+
+    await wait_for(ready)
+    return client
+
+
+async def test_limits_of_workers_that_cannot_serve_refuse_nobody(
+        start_router: Any, etcd_settings: Any, key_prefix: str, stubs: Any,
+        register: Any) -> None:
+    """A starting or broken engine's record (not ready, unhealthy) states limits that bound
+    nothing: the workers that serve take the request."""
+    (p,), (d, starting) = await stubs("prefill"), await stubs("decode", 2)
+    await register("p0", {"role": "prefill", "model": "tiny", "url": p.url})
+    await register("d0", {"role": "decode", "model": "tiny", "url": d.url})
+    await register("d-starting", {"role": "decode", "model": "tiny", "url": starting.url,
+                                  "ready": False, "healthy": False, "max_prompt_tokens": 40,
+                                  "max_body_bytes": 2000})
+    client = await _etcd_router(start_router, etcd_settings, key_prefix)
+    await limits_known_each(client, {"p0": None, "d0": None, "d-starting": 40})
+    resp = await client.post("/generate", json={"input_ids": [1] * 100, "x": "y" * 3000})
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["worker"] == "decode0"
+    assert not starting.bodies
+
+
+async def test_a_request_goes_only_to_the_workers_it_fits(
+        start_router: Any, etcd_settings: Any, key_prefix: str, stubs: Any,
+        register: Any) -> None:
+    """A prompt or body over one decode's limits but under another's goes to the other; once
+    no ready worker would take it, it is refused naming the limit."""
+    (p,), (small, big) = await stubs("prefill"), await stubs("decode", 2)
+    await register("p0", {"role": "prefill", "model": "tiny", "url": p.url})
+    await register("d-small", {"role": "decode", "model": "tiny", "url": small.url,
+                               "max_prompt_tokens": 40, "max_body_bytes": 2000})
+    big_inst = await register("d-big", {"role": "decode", "model": "tiny", "url": big.url,
+                                        "max_prompt_tokens": 1000})
+    client = await _etcd_router(start_router, etcd_settings, key_prefix)
+    await limits_known_each(client, {"p0": None, "d-small": 40, "d-big": 1000})
+    for body in ({"input_ids": [1] * 100}, {"input_ids": [1], "x": "y" * 3000}) * 3:
+        resp = await client.post("/generate", json=body)
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["worker"] == "decode1"
+    assert not small.bodies
+    # A small request may go to either: both are candidates.
+    for _ in range(20):
+        assert (await client.post("/generate", json={"input_ids": [1] * 10})).status == 200
+    assert small.bodies
+    await big_inst.update(ready=False)
+
+    async def big_not_ready() -> bool:
+        workers = await (await client.get("/workers")).json()
+        return not next(w for w in workers["decode"] if w["instance_id"] == "d-big")["ready"]
+
+    await wait_for(big_not_ready)
+    resp = await client.post("/generate", json={"input_ids": [1] * 100})
+    assert resp.status == 400
+    assert "max_prompt_tokens of worker d-small" in (await resp.json())["error"]
+    resp = await client.post("/generate", json={"input_ids": [1], "x": "y" * 3000})
+    assert resp.status == 413
+    assert "max_body_bytes of worker d-small" in (await resp.json())["error"]
+
+
+async def test_an_absurd_limit_is_ignored_and_named(
+        start_router: Any, etcd_settings: Any, key_prefix: str, stubs: Any, register: Any,
+        caplog: Any) -> None:
+    """A prompt limit below the block size or a body limit below a minimal request is no
+    engine's real limit: ignored, shown in a metric, logged once per worker and value."""
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    await register("p0", {"role": "prefill", "model": "tiny", "url": p.url,
+                          "context_length": 9})
+    dec = await register("d0", {"role": "decode", "model": "tiny", "url": d.url,
+                                "max_prompt_tokens": 8, "max_body_bytes": 64})
+    caplog.set_level("WARNING", logger="router.limits")
+    client = await _etcd_router(start_router, etcd_settings, key_prefix)
+    for _ in range(3):
+        resp = await client.post("/generate", json={"text": "a prompt longer than 8 tokens"})
+        assert resp.status == 200, await resp.text()
+    await dec.update(note="written again")
+
+    async def rewritten() -> bool:
+        workers = await (await client.get("/workers")).json()
+        return workers["decode"][0]["ignored_limits"] == {"max_prompt_tokens": 8,
+                                                          "max_body_bytes": 64} \
+            and client.app.state.pools.find("d0").record.get("note") == "written again"
+
+    await wait_for(rewritten)
+    assert (await client.post("/generate", json={"input_ids": [1] * 50})).status == 200
+    lines = await client.metric_lines("kvatlas_router_worker_limit_ignored{")
+    assert sorted(lines) == sorted([
+        'kvatlas_router_worker_limit_ignored{field="context_length",instance="p0",value="9"} 1.0',
+        'kvatlas_router_worker_limit_ignored{field="max_prompt_tokens",instance="d0",value="8"} '
+        '1.0',
+        'kvatlas_router_worker_limit_ignored{field="max_body_bytes",instance="d0",value="64"} '
+        '1.0']), lines
+    logged = [r.getMessage() for r in caplog.records if r.name == "router.limits"]
+    assert len(logged) == 3, logged
+    assert any("d0 states max_body_bytes 64" in m for m in logged), logged
