@@ -306,3 +306,32 @@ async def test_an_absurd_limit_is_ignored_and_named(
     logged = [r.getMessage() for r in caplog.records if r.name == "router.limits"]
     assert len(logged) == 3, logged
     assert any("d0 states max_body_bytes 64" in m for m in logged), logged
+
+
+async def test_an_unhealthy_workers_limit_stops_counting(stubs: Any, make_router: Any) -> None:
+    """A worker that fails its health checks takes nothing: its limit, learned while it was
+    healthy, no longer decides what the router takes (a prompt only it took is refused now,
+    naming the healthy worker's limit)."""
+    (p,), (d, failing) = await stubs("prefill"), await stubs("decode", 2)
+    d.server_info = {"context_length": 32}
+    failing.server_info = {"context_length": 201}
+    client = await make_router([p], [d, failing], health_interval=0.02)
+
+    async def learned() -> bool:
+        workers = await (await client.get("/workers")).json()
+        return [w["max_prompt_tokens"] for w in workers["decode"]] == [31, 200]
+
+    await wait_for(learned)
+    resp = await client.post("/generate", json={"input_ids": [1] * 100})
+    assert resp.status == 200 and (await resp.json())["worker"] == "decode1"
+    failing.health_status = 500
+
+    async def unhealthy() -> bool:
+        workers = await (await client.get("/workers")).json()
+        return not workers["decode"][1]["healthy"]
+
+    await wait_for(unhealthy)
+    resp = await client.post("/generate", json={"input_ids": [1] * 100})
+    assert resp.status == 400, await resp.text()
+    assert "at most 31 are taken (context_length 32 of worker" in (await resp.json())["error"]
+    assert (await client.post("/generate", json={"input_ids": [1] * 20})).status == 200
