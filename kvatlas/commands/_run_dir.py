@@ -16,6 +16,7 @@ from index.etcd import EtcdClient, EtcdSettings, KeyValue
 from index.shards import IndexShards
 from kvatlas.cli import CLIError
 from kvatlas.commands._common import DEFAULT_ETCD, add_etcd_args, etcd_settings
+from kvatlas.launcher.etcd_auth import user_name
 
 DEFAULT_RUN_DIR = ".kvatlas/run"
 
@@ -70,11 +71,30 @@ def resolve_etcd(args: argparse.Namespace) -> str:
     return etcd
 
 
+def _cluster_reader(args: argparse.Namespace) -> tuple[str, str] | None:
+    """The local cluster's read-only etcd user and password (``cluster up`` generates them,
+    ``kvatlas.launcher.etcd_auth``), or None when it runs without etcd auth."""
+    auth = (_cluster_doc(args).get("topology") or {}).get("etcd_auth")
+    if not auth:
+        return None
+    try:
+        return user_name("reader"), str(auth["passwords"]["reader"])
+    except (KeyError, TypeError):
+        raise CLIError(f"{getattr(args, 'run_dir', DEFAULT_RUN_DIR)}/cluster.json has etcd auth "
+                       "without a reader password; restart the cluster, or pass --etcd-user "
+                       "(password in $KVATLAS_ETCD_PASSWORD)") from None
+
+
 def cluster_etcd_settings(args: argparse.Namespace) -> EtcdSettings:
     """The main etcd's settings (``resolve_etcd``). For a command taking ``--index-etcd``
-    given neither that nor ``--etcd``, the local cluster's index shards are taken too."""
-    if hasattr(args, "index_etcd") and not args.etcd and not args.index_etcd:
-        args.index_etcd = _cluster_shards(args)
+    given neither that nor ``--etcd``, the local cluster's index shards are taken too, and
+    without ``--etcd-user`` its read-only credentials."""
+    if not args.etcd:
+        if hasattr(args, "index_etcd") and not args.index_etcd:
+            args.index_etcd = _cluster_shards(args)
+        reader = _cluster_reader(args) if args.etcd_user is None else None
+        if reader is not None:
+            args.etcd_user, args.etcd_password = reader
     args.etcd = resolve_etcd(args)
     return etcd_settings(args)
 

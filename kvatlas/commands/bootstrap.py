@@ -20,6 +20,7 @@ from index.keys import loads
 from index.record import InstanceRecord
 from kvatlas.cli import CLIError
 from kvatlas.commands._common import add_etcd_args, etcd_settings, key_layout, stop_on_signals
+from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_etcd_settings
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def register(subparsers: Any) -> None:
     show = sub.add_parser("show", help="an instance's rank table as mirrored in etcd")
     show.add_argument("instance_id", metavar="INSTANCE_ID")
     show.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    add_etcd_args(show)
+    add_cluster_etcd_args(show)
     show.set_defaults(func=cmd_show)
 
 
@@ -77,7 +78,7 @@ async def serve(config: BootstrapConfig) -> None:
 
 async def _fetch_instance(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     layout = key_layout(args)
-    settings = etcd_settings(args)
+    settings = cluster_etcd_settings(args)
     async with EtcdClient(settings) as client:
         kv = await client.get(layout.instance(args.instance_id))
         if kv is None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvatlas.cli import CLIError
+from kvatlas.commands import _etcd_auth
 from kvatlas.commands._common import add_etcd_args, etcd_password
 from kvatlas.launcher.state import ClusterState, proc_rss
 from kvatlas.launcher.supervisor import LocalCluster, StartError, http_status, stop_processes
@@ -81,6 +82,7 @@ def register(subparsers: Any) -> None:
                               "sglang: SGLang engines with a kvatlas sidecar each, as "
                               "deploy/sglang/docker-compose.yml")
     compose.set_defaults(func=cmd_compose)
+    _etcd_auth.register(sub)
     for p in (up, *[sub.choices[n] for n in ("status", "down")]):
         p.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
                        help=f"the cluster's state and logs (default {DEFAULT_RUN_DIR})")
@@ -88,6 +90,7 @@ def register(subparsers: Any) -> None:
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
     external = None if args.etcd in (None, "embedded") else args.etcd
+    reused = None if external else _etcd_auth.previous_etcd_auth(Path(args.run_dir))
     client = EtcdClientFlags(prefix=args.etcd_prefix, user=args.etcd_user,
                              password=etcd_password(args), ca=args.etcd_ca, cert=args.etcd_cert,
                              key=args.etcd_key)
@@ -95,7 +98,7 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
                     prefill_dp=args.prefill_dp, decode_tp=args.decode_tp, model=args.model,
                     etcd_members=args.etcd_members, external_etcd=external,
                     etcd_client=client, lease_ttl=args.lease_ttl, engine_mode=args.engine_mode,
-                    index_shards=args.index_shards)
+                    index_shards=args.index_shards, etcd_auth=reused)
 
 
 def _refuse_running(run_dir: Path) -> None:

@@ -14,13 +14,14 @@ from rich.table import Table
 from index.errors import RecordError
 from index.etcd import EtcdClient
 from index.record import InstanceRecord
-from kvatlas.commands._common import add_etcd_args, etcd_settings, key_layout
+from kvatlas.commands._common import key_layout
+from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_etcd_settings
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("instances", help="list the instances registered in etcd")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    add_etcd_args(parser)
+    add_cluster_etcd_args(parser)
     parser.set_defaults(func=cmd_instances)
 
 
@@ -42,7 +43,7 @@ def format_age(seconds: float) -> str:
 
 async def fetch_instances(args: argparse.Namespace) -> list[dict[str, Any]]:
     layout = key_layout(args)
-    async with EtcdClient(etcd_settings(args)) as client:
+    async with EtcdClient(cluster_etcd_settings(args)) as client:
         _, kvs = await client.get_prefix(layout.instances_prefix())
     out: list[dict[str, Any]] = []
     for kv in kvs:

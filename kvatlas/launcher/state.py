@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from index.etcd import EtcdSettings
+from kvatlas.launcher.etcd_auth import user_name
+
 STATE_FILE = "cluster.json"
 STATE_VERSION = 1
 
@@ -125,6 +128,26 @@ class ClusterState:
             if p.name == name:
                 return p
         raise KeyError(f"no process {name!r} in {self.run_dir}/{STATE_FILE}")
+
+    def etcd_credentials(self, kind: str = "reader") -> tuple[str, str] | None:
+        """(user, password) of ``kind`` on the embedded etcds (``etcd_auth.WRITES``); None when
+        the cluster runs without etcd auth (an external etcd)."""
+        auth = self.topology.get("etcd_auth")
+        if not isinstance(auth, dict):
+            return None
+        try:
+            return user_name(kind), str(auth["passwords"][kind])
+        except (KeyError, TypeError):
+            raise ValueError(f"{self.run_dir}/{STATE_FILE}: no etcd password for {kind!r}; "
+                             "restart the cluster with this kvatlas") from None
+
+    def etcd_settings(self, kind: str = "reader", timeout: float = 5.0,
+                      shard: int | None = None) -> EtcdSettings:
+        """How a ``kind`` client reaches the main etcd (``shard``: that index shard's)."""
+        creds = self.etcd_credentials(kind)
+        user, password = creds if creds else (None, None)
+        endpoints = self.etcd if shard is None else self.index_etcd[shard]
+        return EtcdSettings.from_text(endpoints, timeout=timeout, user=user, password=password)
 
     def by_role(self, role: str) -> list[ProcessRecord]:
         return [p for p in self.processes if p.role == role]

@@ -18,7 +18,9 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from index.keys import KeyLayout
 from kvatlas.etcd_proc import find_etcd_binary
+from kvatlas.launcher.etcd_auth import provision
 from kvatlas.launcher.state import ClusterState, ProcessRecord, proc_start_time
 from kvatlas.launcher.topology import SECRET_FLAGS, LocalNetwork, Service, Topology, process_args
 
@@ -168,10 +170,23 @@ class LocalCluster:
                         progress(name, "starting")
                     self.launch(self.service(name))
                 self.wait_ready(names, max(1.0, deadline - time.monotonic()), progress)
+                if names and self.service(names[0]).role == "etcd":
+                    self.provision_etcd()
         except BaseException:
             self.stop()
             raise
         return self.state
+
+    def provision_etcd(self) -> None:
+        """Users, roles and auth on every embedded etcd (main and index shards) before any
+        other process dials them (``kvatlas.launcher.etcd_auth``)."""
+        auth = self.topology.etcd_auth
+        if auth is None:
+            return
+        layout = KeyLayout(prefix=self.topology.etcd_client.prefix)
+        clusters = [self.state.etcd] if self.topology.etcd_names() else []
+        for endpoints in [*clusters, *self.state.index_etcd]:
+            provision(endpoints, auth, layout)
 
     # --- faults and stopping ---------------------------------------------------------------
 

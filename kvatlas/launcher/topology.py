@@ -16,6 +16,7 @@ from bootstrap.config import AUTH_TOKEN_ENV
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_model
 from kvatlas.commands._common import ETCD_PASSWORD_ENV
 from kvatlas.etcd_proc import COMPACTION_ARGS, free_port
+from kvatlas.launcher.etcd_auth import EtcdAuth
 from router.config import ADMIN_TOKEN_ENV
 from tokenization import canonical_model
 from transfer.base import TRANSFER_KEY_ENV
@@ -206,6 +207,10 @@ class Topology:
     engine_mode: str = "pd"
     """``pd``: prefill and decode engine modes; ``monolithic``: monolithic engines stand in for
     both roles (the router lists them statically; no KV transfer)."""
+    etcd_auth: EtcdAuth | None = None
+    """Credentials of the embedded etcds (``kvatlas.launcher.etcd_auth``): each process dials
+    them as the user of its kind. None with embedded etcd: generated; an external etcd keeps
+    ``etcd_client``'s user instead."""
 
     def __post_init__(self) -> None:
         validate_model(self.model)
@@ -229,6 +234,15 @@ class Topology:
             self.admin_token = secrets.token_hex(24)
         if self.transfer_key is None:
             self.transfer_key = secrets.token_hex(32)
+        if self.external_etcd is not None:
+            if self.etcd_auth is not None:
+                raise ValueError("etcd auth is provisioned on embedded etcd only; an external "
+                                 "etcd takes --etcd-user and $KVATLAS_ETCD_PASSWORD")
+        elif self.etcd_client.user is not None:
+            raise ValueError("--etcd-user applies to an external etcd (--etcd HOST:PORT); the "
+                             "embedded etcd gets generated users (kept in the run dir)")
+        elif self.etcd_auth is None:
+            self.etcd_auth = EtcdAuth.generate()
 
     @property
     def served_model(self) -> str:
@@ -296,10 +310,15 @@ class Topology:
         return Service(name, "etcd", args, net.host(name), client, "/health",
                        extra_ports={"peer": peer})
 
-    def _etcd_args(self, net: Network, index: bool = False) -> list[str]:
-        """The etcd flags; ``index``: also the index shards (a writer or reader of blocks)."""
+    def _etcd_args(self, net: Network, kind: str, index: bool = False) -> list[str]:
+        """The etcd flags of a ``kind`` process (its etcd user, ``etcd_auth.WRITES``);
+        ``index``: also the index shards (a writer or reader of blocks)."""
         shards = self.index_etcd_endpoints(net) if index else []
-        return ["--etcd", self.etcd_endpoints(net), *self.etcd_client.args(),
+        user: list[str] = []
+        if self.etcd_auth is not None:
+            name, password = self.etcd_auth.credentials(kind)
+            user = ["--etcd-user", name, "--etcd-password", password]
+        return ["--etcd", self.etcd_endpoints(net), *self.etcd_client.args(), *user,
                 *(["--index-etcd", *shards] if shards else [])]
 
     def _common_engine(self, net: Network, name: str) -> list[str]:
@@ -323,7 +342,7 @@ class Topology:
                     "--tp", str(self.prefill_tp), "--dp", str(self.prefill_dp),
                     "--bootstrap-port", str(boot), "--instance-id", name,
                     "--lease-ttl", str(self.lease_ttl), *self._pd_flags(net, name),
-                    *self._etcd_args(net, index=True)]
+                    *self._etcd_args(net, "prefill", index=True)]
         return Service(name, "prefill", args, net.host(name), port, "/health",
                        depends_on=self.etcd_names() + self.index_etcd_names(),
                        extra_ports=extra, env=self._pd_env())
@@ -336,7 +355,7 @@ class Topology:
             args = [*self._common_engine(net, name), "--mode", "decode",
                     "--tp", str(self.decode_tp), "--instance-id", name,
                     "--lease-ttl", str(self.lease_ttl), *self._pd_flags(net, name),
-                    *self._etcd_args(net)]
+                    *self._etcd_args(net, "decode")]
         return Service(name, "decode", args, net.host(name), port, "/health",
                        depends_on=self.etcd_names(), env=self._pd_env())
 
@@ -351,7 +370,7 @@ class Topology:
         args = ["router", "serve", "--host", net.listen_host, "--port", str(port),
                 "--model", self.served_model, "--admin-token", str(self.admin_token),
                 "--health-check-interval-secs", f"{self.health_interval:g}",
-                *self._etcd_args(net, index=True)]
+                *self._etcd_args(net, "router", index=True)]
         tokenizer = self.router_tokenizer()
         if tokenizer is not None:
             args += ["--tokenizer", tokenizer]

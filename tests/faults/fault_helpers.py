@@ -15,7 +15,7 @@ from engine.protocol import encode_text
 from engine.runner import build_scheduler, run_to_completion
 from engine.sampling import SamplingParams
 from engine.scheduler import Request
-from index.etcd import EtcdClient, EtcdSettings
+from index.etcd import EtcdClient
 from index.keys import KeyLayout
 from index.segments import held_blocks
 from kvatlas.launcher.state import ClusterState
@@ -169,7 +169,7 @@ def assert_reference_tokens(outcomes: Iterable[Outcome]) -> None:
 async def etcd_keys(state: ClusterState, instance_id: str) -> dict[str, int]:
     """How many instance, rank and block keys of ``instance_id`` etcd holds."""
     layout = KeyLayout()
-    settings = EtcdSettings.from_text(state.etcd, timeout=3.0)
+    settings = state.etcd_settings(timeout=3.0)
     async with EtcdClient(settings) as client:
         inst = await client.get(layout.instance(instance_id))
         _, ranks = await client.get_prefix(layout.ranks_prefix(instance_id))

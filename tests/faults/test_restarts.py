@@ -22,7 +22,7 @@ from fault_helpers import (
 )
 
 from engine.protocol import encode_text
-from index.etcd import EtcdClient, EtcdSettings
+from index.etcd import EtcdClient
 from index.hashing import DEFAULT_BLOCK_SIZE, block_hashes
 from index.keys import KeyLayout, loads
 from index.segments import held_blocks
@@ -67,7 +67,7 @@ async def test_router_restart_rebuilds_from_etcd(pd_cluster: Callable[..., Local
 
 async def _rank_records(cluster: LocalCluster, iid: str) -> list[dict[str, object]]:
     layout = KeyLayout()
-    async with EtcdClient(EtcdSettings.from_text(cluster.state.etcd, timeout=3)) as client:
+    async with EtcdClient(cluster.state.etcd_settings(timeout=3)) as client:
         _, kvs = await client.get_prefix(layout.ranks_prefix(iid))
         inst = await client.get(layout.instance(iid))
     return [{**loads(kv.value), "lease": kv.lease} for kv in kvs] + \
@@ -127,7 +127,7 @@ async def test_prefill_restart_same_id_replaces_keys_and_resyncs(
     layout = KeyLayout()
 
     async def events_resynced() -> bool:
-        settings = EtcdSettings.from_text(cluster.state.etcd, timeout=3.0)
+        settings = cluster.state.etcd_settings(timeout=3.0)
         async with EtcdClient(settings) as client:
             for instance in ("prefill-0", "prefill-1"):
                 _, kvs = await client.get_prefix(layout.blocks_prefix(cluster.state.model,

@@ -12,11 +12,18 @@ from pathlib import Path
 import pytest
 
 from kvatlas.etcd_proc import COMPACTION_ARGS
-from kvatlas.launcher.compose import compose_document, compose_topology, compose_yaml
+from kvatlas.launcher.compose import (
+    ETCD_AUTH_SERVICE,
+    compose_document,
+    compose_topology,
+    compose_yaml,
+)
+from kvatlas.launcher.etcd_auth import KINDS, ROOT_USER, password_env
 from kvatlas.launcher.topology import SECRET_FLAGS, LocalNetwork, Service, normalized, process_args
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
+ETCD_PASSWORDS = {password_env(k): f"etcd-{k}-password" for k in (ROOT_USER, *KINDS)}
 
 
 def _local_list() -> list[Service]:
@@ -32,10 +39,13 @@ def test_committed_file_is_generated_from_the_topology() -> None:
 def test_compose_and_launcher_run_the_same_commands() -> None:
     doc = compose_document()
     local = {s.name: s for s in _local_list()}
-    assert set(doc["services"]) == set(local) == {
+    # etcd-auth: compose's one-shot provisioning (cluster up provisions in-process).
+    assert set(doc["services"]) - {ETCD_AUTH_SERVICE} == set(local) == {
         "etcd0", "etcd1", "etcd2", "prefill-0", "prefill-1", "decode-0", "router"}
     for name, svc in doc["services"].items():
         program, *args = svc["command"]
+        if name == ETCD_AUTH_SERVICE:
+            continue
         if name.startswith("etcd"):
             assert program.endswith("etcd")
             for flag in COMPACTION_ARGS:
@@ -61,18 +71,22 @@ def test_parsed_yaml_matches_the_topology() -> None:
     assert parsed == doc
     local = {s.name: s for s in _local_list()}
     for name, svc in parsed["services"].items():
-        if svc["command"][0] == "kvatlas":
+        if svc["command"][0] == "kvatlas" and name != ETCD_AUTH_SERVICE:
             assert normalized(svc["command"][1:]) == normalized(process_args(local[name])[0])
 
 
 def test_health_gates_and_loopback_publishing() -> None:
     doc = compose_document()
     for name, svc in doc["services"].items():
-        assert "healthcheck" in svc, name
+        assert "healthcheck" in svc or name == ETCD_AUTH_SERVICE, name
         for dep, cond in svc.get("depends_on", {}).items():
-            assert cond == {"condition": "service_healthy"}, (name, dep)
-    assert set(doc["services"]["router"]["depends_on"]) == {"prefill-0", "prefill-1", "decode-0"}
-    assert set(doc["services"]["prefill-0"]["depends_on"]) == {"etcd0", "etcd1", "etcd2"}
+            want = "service_completed_successfully" if dep == ETCD_AUTH_SERVICE \
+                else "service_healthy"
+            assert cond == {"condition": want}, (name, dep)
+    assert set(doc["services"]["router"]["depends_on"]) == {"prefill-0", "prefill-1", "decode-0",
+                                                            ETCD_AUTH_SERVICE}
+    assert set(doc["services"]["prefill-0"]["depends_on"]) == {"etcd0", "etcd1", "etcd2",
+                                                               ETCD_AUTH_SERVICE}
     # Only the router is published, and only on the host's loopback.
     published = {n: s["ports"] for n, s in doc["services"].items() if "ports" in s}
     assert published == {"router": ["127.0.0.1:8000:8000"]}
@@ -111,7 +125,7 @@ def test_docker_compose_config_validates() -> None:
         pytest.skip("docker-compose is not installed (CI installs it); the YAML is still "
                     "checked by the other tests")
     env = {**os.environ, "KVATLAS_AUTH_TOKEN": "test-token-1", "KVATLAS_ADMIN_TOKEN": "admin-token-1",
-           "KVATLAS_TRANSFER_KEY": "transfer-key-0123456789"}
+           "KVATLAS_TRANSFER_KEY": "transfer-key-0123456789", **ETCD_PASSWORDS}
     out = subprocess.run([tool, "-f", str(COMPOSE), "config", "--services"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -126,6 +140,11 @@ def test_docker_compose_config_validates() -> None:
     out = subprocess.run([tool, "-f", str(COMPOSE), "config"], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode != 0 and "KVATLAS_AUTH_TOKEN" in out.stderr
+    env["KVATLAS_AUTH_TOKEN"] = "test-token-1"
+    env.pop("KVATLAS_ETCD_DECODE_PASSWORD")
+    out = subprocess.run([tool, "-f", str(COMPOSE), "config"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "KVATLAS_ETCD_DECODE_PASSWORD" in out.stderr
 
 
 def test_every_generated_command_parses_with_the_real_cli() -> None:
@@ -217,7 +236,7 @@ def test_sglang_topology_services_and_shared_parts() -> None:
     services = _sglang_doc()["services"]
     assert list(services) == ["etcd0", "etcd1", "etcd2", "prefill-0", "prefill-0-sidecar",
                               "prefill-1", "prefill-1-sidecar", "decode-0", "decode-0-sidecar",
-                              "router"]
+                              "router", ETCD_AUTH_SERVICE]
     # etcd is built by the same code as docker-compose.yml's, byte for byte.
     kvatlas_services = compose_document()["services"]
     for name in ("etcd0", "etcd1", "etcd2"):
@@ -237,7 +256,8 @@ def test_sglang_topology_services_and_shared_parts() -> None:
     assert services["router"]["depends_on"] == {
         **{e: {"condition": "service_healthy"} for e in ("etcd0", "etcd1", "etcd2")},
         **{s: {"condition": "service_started"}
-           for s in ("prefill-0-sidecar", "prefill-1-sidecar", "decode-0-sidecar")}}
+           for s in ("prefill-0-sidecar", "prefill-1-sidecar", "decode-0-sidecar")},
+        ETCD_AUTH_SERVICE: {"condition": "service_completed_successfully"}}
     # Only the router is published, and only on the host's loopback.
     published = {n: s["ports"] for n, s in services.items() if "ports" in s}
     assert published == {"router": ["127.0.0.1:8000:8000"]}
@@ -275,7 +295,9 @@ def test_sglang_engines_and_sidecars_agree() -> None:
         assert "healthcheck" not in side
         assert side["depends_on"] == {**{e: {"condition": "service_healthy"}
                                          for e in ("etcd0", "etcd1", "etcd2")},
-                                      name: {"condition": "service_started"}}
+                                      name: {"condition": "service_started"},
+                                      ETCD_AUTH_SERVICE: {
+                                          "condition": "service_completed_successfully"}}
         assert "depends_on" not in engine
         if role == "prefill":
             assert _flag(cmd, "--disaggregation-bootstrap-port") == "8998"
@@ -346,7 +368,7 @@ def test_sglang_docker_compose_config_validates() -> None:
             pytest.fail("docker-compose is not installed: .ci/run installs it with apt-get")
         pytest.skip("docker-compose is not installed (CI installs it); the YAML is still "
                     "checked by the other tests")
-    env = {**os.environ, "KVATLAS_ADMIN_TOKEN": "admin-token-1"}
+    env = {**os.environ, "KVATLAS_ADMIN_TOKEN": "admin-token-1", **ETCD_PASSWORDS}
     for var in ("KVATLAS_MODEL", "KVATLAS_TOKENIZER", "KVATLAS_IMAGE"):
         env.pop(var, None)
     out = subprocess.run([tool, "-f", str(SGLANG_COMPOSE), "config", "-q"], env=env,
