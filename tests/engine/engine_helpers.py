@@ -1,11 +1,11 @@
 """Shared helpers of the engine tests: prompt sets with shared prefixes and request builders."""
 from __future__ import annotations
 
-import asyncio
 import random
-import time
 from collections.abc import Callable
 from typing import Any
+
+import waiting
 
 from engine.sampling import SamplingParams
 from engine.scheduler import Request
@@ -47,9 +47,6 @@ def assert_idle(sched: Any) -> None:
 
 
 async def wait_until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    """Poll ``cond`` (a state of the engine, read between its steps) until it holds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
+    """Poll ``cond`` (a state of the engine, read between its steps) until it holds: the shared
+    ``waiting.wait_until``, polled often (the engine's steps are short)."""
+    await waiting.wait_until(cond, what=what, timeout=timeout, interval=0.01)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from engine_helpers import wait_until
 
 from engine.http_common import STATE_KEY
 from engine.serve_config import EngineServerConfig
@@ -24,14 +24,6 @@ LONG_SP = {"max_new_tokens": 1900, "temperature": 0, "ignore_eos": True}
 
 async def client_for(aiohttp_client: Any, **kw: Any) -> Any:
     return await aiohttp_client(create_app(EngineServerConfig(**kw)))
-
-
-async def wait_for(cond: Any, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def test_client_hangup_aborts_a_non_streaming_request(
@@ -51,16 +43,16 @@ async def test_client_hangup_aborts_a_non_streaming_request(
             async with aiohttp.ClientSession() as session:
                 task = asyncio.create_task(session.post(f"http://127.0.0.1:{port}{path}",
                                                         json=body))
-                await wait_for(lambda: len(sched.running) == 1, f"{path} running")
+                await wait_until(lambda: len(sched.running) == 1, f"{path} running")
                 task.cancel()  # the client goes away: its connection is closed
                 with pytest.raises(asyncio.CancelledError):
                     await task
-            await wait_for(lambda: not sched.running and sched.cache.pages_in_use == 0,
+            await wait_until(lambda: not sched.running and sched.cache.pages_in_use == 0,
                            f"{path} aborted and its pages freed")
             assert sched.totals["aborted"] == i + 1
             assert sched.totals["generated_tokens"] < 1900 * (i + 1)
             assert runner.server is not None
-            await wait_for(lambda: not runner.server.connections, f"{path}'s handler ended")
+            await wait_until(lambda: not runner.server.connections, f"{path}'s handler ended")
         # a hang-up is the client's business: no error (aiohttp's "Error handling request"
         # with a traceback) per hung-up request, which hostile clients would turn into a flood
         errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
@@ -76,14 +68,14 @@ async def test_duplicate_rid_on_a_stream_is_a_409_json(aiohttp_client: Any) -> N
     first = await c.post("/generate", json=body)
     assert first.status == 200
     await first.content.readline()
-    await wait_for(lambda: len(sched.running) == 1, "the first request running")
+    await wait_until(lambda: len(sched.running) == 1, "the first request running")
     dup = await c.post("/generate", json=body)
     assert dup.status == 409 and dup.headers["Content-Type"].startswith("application/json")
     assert "already in flight" in (await dup.json())["error"]
     r = await c.post("/abort_request", json={"rid": "dup-1"})
     assert await r.json() == {"rid": "dup-1", "aborted": True}
     first.close()
-    await wait_for(lambda: sched.cache.pages_in_use == 0, "pages freed")
+    await wait_until(lambda: sched.cache.pages_in_use == 0, "pages freed")
 
 
 async def test_deeply_nested_json_is_a_400(aiohttp_client: Any) -> None:

@@ -6,11 +6,11 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
 import pytest
+from waiting import wait_until
 
 from kvatlas.etcd_proc import free_port
 
@@ -33,19 +33,16 @@ def _spawn(port: int, *extra: str) -> subprocess.Popen[bytes]:
 
 async def _wait_healthy(session: aiohttp.ClientSession, url: str, proc: subprocess.Popen[bytes]
                         ) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    async def healthy() -> bool:
         if proc.poll() is not None:
             out = proc.stdout.read().decode() if proc.stdout else ""
             raise AssertionError(f"engine exited with {proc.returncode}: {out}")
         try:
             async with session.get(url + "/health") as r:
-                if r.status == 200:
-                    return
+                return r.status == 200
         except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"{url} not healthy within 60 s")
+            return False
+    await wait_until(healthy, what=f"{url} answers /health 200", timeout=60.0, interval=0.1)
 
 
 REQUESTS = [

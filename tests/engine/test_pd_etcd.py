@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from pd_helpers import pd_body
 from pd_procs import Proc
+from waiting import wait_until
 
 from index.etcd import EtcdClient, EtcdSettings
 from index.hashing import BASE_SEED, block_hashes
@@ -24,13 +25,6 @@ from index.shards import IndexShards
 from router.workers import parse_instance_record
 
 pytestmark = pytest.mark.timeout(90)
-
-
-async def wait_for(pred, timeout: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await pred():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.2)
 
 
 async def generate(prefill: Proc, decode: Proc, ids: list[int]) -> None:
@@ -59,7 +53,8 @@ async def test_prefill_and_decode_register_and_index(etcd_endpoint: str, key_pre
         async def indexed() -> bool:
             _, kvs = await etcd.get_prefix(layout.blocks_prefix("tiny", "pre-a"))
             return set(held_blocks(kv.value for kv in kvs)) >= set(want)
-        await wait_for(indexed)
+        await wait_until(indexed, what="the prompt's blocks are indexed", timeout=20.0,
+                         interval=0.2)
 
         pre = await etcd.get(layout.instance("pre-a"))
         dec = await etcd.get(layout.instance("dec-a"))
@@ -80,7 +75,8 @@ async def test_prefill_and_decode_register_and_index(etcd_endpoint: str, key_pre
         async def gone() -> bool:
             _, left = await etcd.get_prefix(layout.blocks_prefix("tiny", "pre-a"))
             return not left and await etcd.get(layout.instance("pre-a")) is None
-        await wait_for(gone, 15)
+        await wait_until(gone, what="the killed prefill's keys leave etcd", timeout=15.0,
+                         interval=0.2)
     finally:
         prefill.stop()
         decode.stop()
@@ -110,7 +106,8 @@ async def test_dp2_prefill_indexes_both_groups_caches(etcd_endpoint: str, key_pr
         async def indexed() -> bool:
             _, kvs = await etcd.get_prefix(layout.blocks_prefix("tiny", "pre-dp"))
             return set(held_blocks(kv.value for kv in kvs)) >= want
-        await wait_for(indexed)
+        await wait_until(indexed, what="the prompt's blocks are indexed", timeout=20.0,
+                         interval=0.2)
     finally:
         prefill.stop()
         decode.stop()
@@ -152,7 +149,8 @@ async def test_a_dead_rank_takes_its_instance_down_and_out_of_etcd(
         # Gone from etcd at once (the lease is revoked), not after its 30 s TTL.
         async def gone() -> bool:
             return await etcd.get(layout.instance("pre-tp")) is None
-        await wait_for(gone, 20)
+        # 20 s: the revoke, not the 30 s TTL, takes it away.
+        await wait_until(gone, what="the record leaves etcd", timeout=20.0, interval=0.2)
         assert await asyncio.get_running_loop().run_in_executor(None, prefill.proc.wait, 20) == 1
         assert "rank process kvatlas-rank1 exited" in prefill.output()
     finally:
@@ -221,7 +219,8 @@ async def test_a_prefill_with_index_shards_writes_its_blocks_to_its_shard(
         async def indexed() -> bool:
             _, kvs = await shard.get_prefix(layout.blocks_prefix("tiny", iid))
             return set(held_blocks(kv.value for kv in kvs)) >= want
-        await wait_for(indexed)
+        await wait_until(indexed, what="the prompt's blocks are indexed", timeout=20.0,
+                         interval=0.2)
         _, on_main = await etcd.get_prefix(layout.blocks_prefix())
         assert on_main == []
         record = await etcd.get(layout.instance(iid))
@@ -232,7 +231,8 @@ async def test_a_prefill_with_index_shards_writes_its_blocks_to_its_shard(
         async def gone() -> bool:
             _, left = await shard.get_prefix(layout.blocks_prefix("tiny", iid))
             return not left and await etcd.get(layout.instance(iid)) is None
-        await wait_for(gone, 15)
+        await wait_until(gone, what="the killed prefill's keys leave etcd", timeout=15.0,
+                         interval=0.2)
     finally:
         await shard.close()
         prefill.stop()

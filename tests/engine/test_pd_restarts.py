@@ -47,14 +47,16 @@ async def test_new_process_and_vanished_record_are_reported(etcd: EtcdClient,
         await until(1)
         assert seen[0][0] == "127.0.0.1:8998" and "new process" in seen[0][1]
         await etcd.delete(key)  # lease expired: maybe only etcd trouble, not acted on
-        await etcd.put(key, _record(2.0))  # the same process publishes again
-        await asyncio.sleep(0.3)
+        rev = await etcd.put(key, _record(2.0))  # the same process publishes again
+        assert await watch.wait_revision(rev, 30.0), "the watch never applied the put"
         assert len(seen) == 1
         await etcd.delete(key)
         await etcd.put(key, _record(3.0))  # a new process after the old record expired
         await until(2)
         assert seen[1][0] == "127.0.0.1:8998" and "new process" in seen[1][1]
-        await asyncio.sleep(0.2)
+        # Reported once: by the time a later (ignored) put is applied, nothing more came.
+        rev = await etcd.put(layout.instance("d0"), _record(3.0, role="decode"))
+        assert await watch.wait_revision(rev, 30.0), "the watch never applied the put"
         assert len(seen) == 2 and watch.changes == 2
     finally:
         task.cancel()
