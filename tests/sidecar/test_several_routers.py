@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from conftest import SidecarCluster, start_cluster
 from sidecar_procs import Engine, Router
+from waiting import wait_until
 
 from kvatlas.etcd_proc import free_port
 
@@ -59,7 +60,6 @@ async def test_a_killed_router_loses_no_request_of_a_client_that_retries(
         outcomes = list(await asyncio.gather(*tasks))
     assert all(status == 200 for status, _, _ in outcomes), outcomes
     assert any(tries > 1 for _, tries, _ in outcomes)  # some did fail over
-    assert max(seconds for _, _, seconds in outcomes) < TIMEOUT
 
 
 def _no_events(engine: Engine) -> tuple[str, ...]:
@@ -103,11 +103,12 @@ async def test_a_conversation_sticks_to_its_holder_through_another_router(
             holders.add(first["prefill"])
             assert first["prompt_blocks"] >= 8
             turn2 = turn1 + f"And turn two of conversation {i} follows."
-            # Within a second of turn one's answer (typically milliseconds after routing).
-            t0 = time.monotonic()
-            while await received(s, b) < i + 1:
-                assert time.monotonic() - t0 < 1.0, f"router b has not heard of turn {i}"
-                await asyncio.sleep(0.02)
+            # Router b hears of turn one (typically milliseconds after routing; how fast is
+            # for bench/, not a test).
+            async def heard(i: int = i) -> bool:
+                return await received(s, b) >= i + 1
+            await wait_until(heard, what=f"router b hears of turn {i}",
+                             detail=cluster.logs)
             # Router b never routed turn one, and the index shows nothing: it knows the holder
             # from router a's shared prediction alone.
             second = await routed(s, b, turn2)

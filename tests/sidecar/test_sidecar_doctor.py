@@ -1,21 +1,20 @@
 """``kvatlas doctor`` on a sidecar'd cluster: every link holds on a healthy one, and each cause of
-a silent zero hit, injected into a real cluster, is named within 10 s of the traffic that shows
-it: a block-size mismatch (with its rejected events), an engine whose KV events reach nobody,
-and blocks that never match the router's hashes (the sidecar names another tokenizer than the
-engine uses)."""
+a silent zero hit, injected into a real cluster, is named once traffic shows it: a block-size
+mismatch (with its rejected events), an engine whose KV events reach nobody, and blocks that
+never match the router's hashes (the sidecar names another tokenizer than the engine uses)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import subprocess
 import sys
-import time
 from typing import Any
 
 import aiohttp
 import pytest
 from conftest import SidecarCluster, start_cluster
 from sidecar_procs import ROOT, Engine
+from waiting import wait_until_sync
 
 from kvatlas.etcd_proc import free_port
 
@@ -73,7 +72,7 @@ FAULTS = {
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_doctor_names_each_cause_of_a_silent_zero_hit_within_10s(
+def test_doctor_names_each_cause_of_a_silent_zero_hit(
         etcd_endpoint: str, own_cluster: list[SidecarCluster], fault: str) -> None:
     sidecar_extra, router_extra, named = FAULTS[fault]
     cluster = start_cluster(etcd_endpoint, prefills=1, router_extra=router_extra,
@@ -81,16 +80,20 @@ def test_doctor_names_each_cause_of_a_silent_zero_hit_within_10s(
     own_cluster.append(cluster)
     asyncio.run(traffic(cluster))
     asyncio.run(traffic(cluster))  # more canaries: one per instance per interval
-    caused = time.monotonic()
-    while True:
-        links = doctor(cluster)
+    links: dict[str, dict[str, Any]] = {}
+
+    def p0_failing() -> dict[str, dict[str, Any]] | None:
+        """The failing links of p0 once they include every named one; else more traffic."""
+        links.clear()
+        links.update(doctor(cluster))
         failing = {name.split(": ", 1)[1]: link for name, link in links.items()
                    if not link["ok"] and name.startswith("p0: ")}
         if set(named) <= set(failing):
-            break
-        assert time.monotonic() - caused < 10, (links, cluster.logs())
+            return failing
         asyncio.run(traffic(cluster, 2))
-    assert time.monotonic() - caused <= 10
+        return None
+    failing = wait_until_sync(p0_failing, what=f"doctor names {sorted(named)} as failing",
+                              timeout=60.0, detail=lambda: (links, cluster.logs()))
     for name, text in named.items():
         assert text in failing[name]["detail"], failing[name]
         assert failing[name]["hint"], failing[name]
