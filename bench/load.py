@@ -7,6 +7,11 @@ way chat traffic does. Bounded: 60 s by default, 10 minutes at most.
     .venv/bin/python bench/load.py --duration 60 --rate 4            # starts its own cluster
     .venv/bin/python bench/load.py --run-dir .kvatlas/run --rate 4   # a running `cluster up`
 
+Closed-loop overload (bench/_overload.py says what it measures and the targets), one run per
+client count, the cluster started once:
+
+    .venv/bin/python bench/load.py --overload --clients 32,300,600 --prompt-tokens 1800
+
 Memory: RSS of every process of the cluster (each process group: ranks included) after a
 warm-up and at the end; growth is reported per process (goal: flat). etcd's db size comes from
 its maintenance status. Router restart: on a cluster it started itself, the router is then
@@ -32,6 +37,9 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import _overload  # noqa: E402
+from _results import write_result  # noqa: E402
 
 from kvatlas.launcher.state import ClusterState, proc_rss  # noqa: E402
 from kvatlas.launcher.supervisor import LocalCluster, healthy, http_status  # noqa: E402
@@ -173,8 +181,19 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=4.0, help="requests per second (default 4)")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds (default 60, max 600)")
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds before the memory baseline")
-    ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="tokens per request (default 8; 32 with --overload)")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds per request (default 30; 120 with --overload)")
+    ap.add_argument("--overload", action="store_true",
+                    help="closed loop: --clients concurrent clients, each sending its next "
+                         "request when its answer arrives (bench/_overload.py)")
+    ap.add_argument("--clients", default="32,300,600",
+                    help="--overload: client counts, one run each (default 32,300,600)")
+    ap.add_argument("--prompt-tokens", type=int, default=1800,
+                    help="--overload: tokens per prompt (default 1800)")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="--overload: stop a run after this many requests (else --duration)")
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=1)
     ap.add_argument("--engine-mode", default="pd", choices=("pd", "monolithic"))
@@ -185,6 +204,25 @@ def main() -> int:
         ap.error(f"--duration must be within (0, {MAX_DURATION:g}] seconds")
     if not 0 < args.rate <= 10_000:
         ap.error("--rate must be within (0, 10000]")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 32 if args.overload else 8
+    if args.timeout is None:
+        args.timeout = 120.0 if args.overload else 30.0
+    clients: list[int] = []
+    if args.overload:
+        try:
+            clients = [int(c) for c in args.clients.split(",")]
+        except ValueError:
+            ap.error(f"--clients takes counts separated by commas (32,300,600), got "
+                     f"{args.clients!r}")
+        if not clients or not all(0 < c <= 5000 for c in clients):
+            ap.error(f"--clients: each count must be within [1, 5000], got {args.clients!r}")
+        if not 1 < args.prompt_tokens <= 100_000:
+            ap.error(f"--prompt-tokens must be within [2, 100000], got {args.prompt_tokens}")
+        if args.requests is not None and args.requests < 1:
+            ap.error(f"--requests must be >= 1, got {args.requests}")
+        if args.out == ap.get_default("out"):
+            args.out = str(ROOT / "bench" / "results" / "overload.json")
 
     cluster = None
     tmp = None
@@ -197,6 +235,14 @@ def main() -> int:
         cluster = LocalCluster(topo, Path(tmp.name))
         print("starting a cluster ...", flush=True)
         state = cluster.start(timeout=180)
+    if args.overload:
+        try:
+            return overload(args, state, clients)
+        finally:
+            if cluster is not None:
+                cluster.stop()
+            if tmp is not None:
+                tmp.cleanup()
     try:
         url = state.router["url"]
         asyncio.run(drive(url, args.rate, min(args.warmup, args.duration), args.max_new_tokens,
@@ -254,6 +300,35 @@ def main() -> int:
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
     return 0 if not errors else 1
+
+
+def overload(args: argparse.Namespace, state: ClusterState, clients: list[int]) -> int:
+    """One closed-loop run per client count; the table, the JSON, and the targets missed."""
+    url = state.router["url"]
+    engines = {p.name: p.url for p in state.processes
+               if p.role in ("prefill", "decode", "monolithic") and p.url}
+    runs = []
+    for n in clients:
+        print(f"{n} clients, ~{args.prompt_tokens}-token prompts, {args.max_new_tokens} new "
+              f"tokens, {args.duration:g} s ...", flush=True)
+        results, elapsed = asyncio.run(_overload.drive(
+            url, n, args.prompt_tokens, args.max_new_tokens, args.duration, args.requests,
+            args.timeout, args.seed))
+        pages, idle_s = _overload.pages_after(engines)
+        runs.append(_overload.summarize(n, results, elapsed, pages, idle_s))
+    missed = _overload.targets(runs)
+    print(f"\noverload: {state.topology.get('prefill')} prefill, "
+          f"{state.topology.get('decode')} decode ({state.topology.get('engine_mode')} "
+          f"engines, model {state.model})")
+    _overload.print_table(runs)
+    print("targets: " + ("all met" if not missed else "MISSED\n  " + "\n  ".join(missed)))
+    write_result(args.out, {
+        "mode": "overload", "prompt_tokens": args.prompt_tokens,
+        "max_new_tokens": args.max_new_tokens, "duration_s": args.duration,
+        "requests_per_run": args.requests, "timeout_s": args.timeout,
+        "prefill": state.topology.get("prefill"), "decode": state.topology.get("decode"),
+        "engine_mode": state.topology.get("engine_mode"), "runs": runs, "missed": missed})
+    return 0 if not missed else 1
 
 
 if __name__ == "__main__":

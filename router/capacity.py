@@ -127,8 +127,6 @@ class Capacity:
         self._waiters: deque[asyncio.Event] = deque()
         self._rate = 0.0
         self._rate_at = clock()
-        self.rejected = 0
-        """Requests answered 429 (queue full) or 408 (waited too long) here."""
 
     @property
     def queued(self) -> int:
@@ -142,6 +140,7 @@ class Capacity:
         if event == "leave":
             self.bounds.pop(iid, None)
             self._from_record.discard(iid)
+            self._wake()  # the head learns at once if no worker is left (503, not a wait)
             return
         bound = stated_bound(worker.record)
         if bound is not None:
@@ -239,7 +238,6 @@ class Capacity:
             except NoRoom:
                 pass
         if len(self._waiters) >= self.queue_size:
-            self.rejected += 1
             raise Overloaded(429, f"every worker is at the capacity it states and "
                              f"{self.queued} requests wait for one (router --worker-queue-size "
                              f"{self.queue_size}); retry later", self.retry_after())
@@ -269,15 +267,7 @@ class Capacity:
             self._waiters.remove(turn)
             if first:
                 self._wake()
-        self.rejected += 1
         raise Overloaded(408, f"no worker had room within {self.queue_timeout:g} s (router "
                          "--worker-queue-timeout-secs; the workers' stated "
                          "max_running_requests and KV pages bound what each takes)",
                          self.retry_after())
-
-    def describe(self) -> dict[str, Any]:
-        return {"enabled": self.enabled, "queued": self.queued, "queue_size": self.queue_size,
-                "rejected": self.rejected,
-                "bounds": {iid: {"max_running_requests": b.max_running, "kv_pages": b.pages,
-                                 "page_size": b.page_size, "pages_held": self.pages.get(iid, 0)}
-                           for iid, b in self.bounds.items()}}
