@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from index.follow import skipped_totals
 from index.reader import ShardStatus
 from router.breaker import STATE_CODES
 from router.engine_load import fresh
@@ -195,11 +196,6 @@ class RouterMetrics:
                                    ["role", "instance"], registry=r)
         self.workers = Gauge("kvatlas_router_workers", "Workers per role and availability",
                              ["role", "available"], registry=r)
-        self.worker_limit_ignored = Gauge(
-            "kvatlas_router_worker_limit_ignored",
-            "1 per limit a worker states (record or /server_info) that the router ignores as "
-            "absurd: a prompt limit below the block size, a body limit below a minimal request",
-            ["instance", "field", "value"], registry=r)
         self.upstream_latency = Histogram("kvatlas_router_upstream_latency_seconds",
                                           "Upstream request latency (to the full answer or the "
                                           "end of the stream)", ["role"],
@@ -239,6 +235,12 @@ class RouterMetrics:
                                               registry=r)
         self.shared_prediction_bytes = Counter("kvatlas_router_shared_prediction_bytes",
                                                "Bytes of the values of those puts", registry=r)
+        self.etcd_values_skipped = Counter(
+            "kvatlas_router_etcd_values_skipped",
+            "etcd keys and values skipped as malformed by this process's watchers (block index "
+            "mirrors, discovery, shared predictions), by prefix kind and reason; each is logged "
+            "once", ["prefix_kind", "reason"], registry=r)
+        self._skipped_counted: dict[tuple[str, str], int] = {}
         self.predicted_blocks = Gauge("kvatlas_router_predicted_blocks",
                                       "Router-side predicted (instance, block) entries",
                                       registry=r)
@@ -323,13 +325,7 @@ class RouterMetrics:
             self.index_shard_instances.labels(*labels).set(sh.instances)
 
     def set_breakers(self, workers: list) -> None:
-        """The gauges read off the pools' ``workers``: circuit states, workers per role and
-        availability, and the limits ignored as absurd (router/limits.py)."""
         self.breaker_state.clear()
-        self.worker_limit_ignored.clear()
-        for w in workers:
-            for name, value in w.limits.ignored:
-                self.worker_limit_ignored.labels(w.instance_id, name, str(value)).set(1)
         counts: dict[tuple[str, str], int] = {}
         for w in workers:
             if w.shadowed_by is not None:
@@ -352,5 +348,13 @@ class RouterMetrics:
         if delta.bytes:
             self.shared_prediction_bytes.inc(delta.bytes)
 
+    def add_skipped(self) -> None:
+        """Count the skips of etcd values taken since the last call (``index.follow``)."""
+        for labels, n in skipped_totals().items():
+            if n > self._skipped_counted.get(labels, 0):
+                self.etcd_values_skipped.labels(*labels).inc(n - self._skipped_counted.get(labels, 0))
+                self._skipped_counted[labels] = n
+
     def render(self) -> bytes:
+        self.add_skipped()
         return generate_latest(self.registry)
