@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
+from waiting import wait_until
 
 from index.errors import EtcdCompacted, EtcdUnavailable, LeaseExpired
 from index.etcd import Delete, EtcdClient, EtcdSettings, Put, parse_endpoints, prefix_end
@@ -65,10 +65,12 @@ async def test_lease_expiry_deletes_keys(etcd: EtcdClient, layout: KeyLayout) ->
     key = layout.instance("dies")
     await etcd.put(key, b"{}", lease=lease)
     assert await etcd.get(key) is not None
-    deadline = time.monotonic() + 6
-    while await etcd.get(key) is not None:
-        assert time.monotonic() < deadline, "lease did not expire"
-        await asyncio.sleep(0.2)
+
+    async def expired() -> bool:
+        return await etcd.get(key) is None
+    # 6 s for a 2 s TTL: the lease's expiry, not a revoke, deletes the key.
+    await wait_until(expired, what="the lease expires and takes its key", timeout=6.0,
+                     interval=0.2)
     with pytest.raises(LeaseExpired):
         await etcd.keepalive(lease)
 
@@ -121,13 +123,11 @@ async def test_leased_keys_converge_and_remove_stale(etcd: EtcdClient, layout: K
         # The lease vanishes behind our back (as after a long outage): keys come back under a new one.
         old = session.lease_id
         await etcd.revoke(old)  # type: ignore[arg-type]
-        deadline = time.monotonic() + 8
-        while True:
+        async def restored() -> bool:
             _, kvs = await etcd.get_prefix(owned)
-            if len(kvs) == 299 and session.lease_id not in (None, old):
-                break
-            assert time.monotonic() < deadline, f"not restored: {len(kvs)} keys"
-            await asyncio.sleep(0.1)
+            return len(kvs) == 299 and session.lease_id not in (None, old)
+        await wait_until(restored, what="all 299 keys are back under a new lease",
+                         timeout=30.0, interval=0.1)
     finally:
         for t in tasks:
             t.cancel()
@@ -140,14 +140,14 @@ async def test_three_member_cluster_survives_one_member_loss(etcd_cluster3: Etcd
     try:
         await client.put(b"/k", b"1")
         etcd_cluster3.members[0].kill()
-        deadline = time.monotonic() + 10
-        while True:  # the channel fails over to a live member
+        async def written() -> bool:
             try:
                 await client.put(b"/k", b"2")
-                break
             except EtcdUnavailable:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.2)
+                return False
+            return True
+        # The channel fails over to a live member.
+        await wait_until(written, what="a put succeeds on a live member", interval=0.2)
         assert (await client.get(b"/k")).value == b"2"  # type: ignore[union-attr]
     finally:
         await client.close()

@@ -254,9 +254,8 @@ async def test_cancelling_a_call_while_connecting(worker: Started, pools) -> Non
     fut = pool.call("GET", "/never", {}, b"")
     await asyncio.sleep(0)  # the connect has begun
     fut.cancel()
-    await asyncio.sleep(0.1)
-    assert w.requests == []
     (await asyncio.wait_for(pool.call("GET", "/ok", {}, b""), 2)).release()
+    # The worker has answered the next call by now: the cancelled one never reached it.
     assert [r[1] for r in w.requests] == ["GET /ok HTTP/1.1"]
     assert len(pool.idle) <= 1
 
