@@ -196,6 +196,11 @@ class RouterMetrics:
                                    ["role", "instance"], registry=r)
         self.workers = Gauge("kvatlas_router_workers", "Workers per role and availability",
                              ["role", "available"], registry=r)
+        self.worker_limit_ignored = Gauge(
+            "kvatlas_router_worker_limit_ignored",
+            "1 per limit a worker states (record or /server_info) that the router ignores as "
+            "absurd: a prompt limit below the block size, a body limit below a minimal request",
+            ["instance", "field", "value"], registry=r)
         self.upstream_latency = Histogram("kvatlas_router_upstream_latency_seconds",
                                           "Upstream request latency (to the full answer or the "
                                           "end of the stream)", ["role"],
@@ -325,7 +330,13 @@ class RouterMetrics:
             self.index_shard_instances.labels(*labels).set(sh.instances)
 
     def set_breakers(self, workers: list) -> None:
+        """The gauges read off the pools' ``workers``: circuit states, workers per role and
+        availability, and the limits ignored as absurd (router/limits.py)."""
         self.breaker_state.clear()
+        self.worker_limit_ignored.clear()
+        for w in workers:
+            for name, value in w.limits.ignored:
+                self.worker_limit_ignored.labels(w.instance_id, name, str(value)).set(1)
         counts: dict[tuple[str, str], int] = {}
         for w in workers:
             if w.shadowed_by is not None:
