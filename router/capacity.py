@@ -23,8 +23,9 @@ for ever.
 **The queue.** When every available worker of a role is at its bound, the request waits in a
 FIFO queue (``worker_queue_size``): only its head tries to select, and it is woken when a
 worker's count drops (never polled). Past ``worker_queue_timeout`` seconds it gets a 408; with
-the queue full a 429 at once. Both carry ``Retry-After``: the seconds in which, at the rate the
-workers have been finishing requests, the queue ahead would have drained.
+the queue full, or so long that at the rate the workers have been finishing requests it would
+not drain within that timeout, a 429 at once. Both carry ``Retry-After``: the seconds in which,
+at that rate, the queue ahead would have drained.
 """
 from __future__ import annotations
 
@@ -222,12 +223,21 @@ class Capacity:
 
     # --- the queue --------------------------------------------------------------------------
 
+    def expected_wait(self) -> float | None:
+        """Seconds a request queued now would wait, at the rate requests finished lately
+        (None: none finished within ``RATE_WINDOW``, no rate to go by: after a quiet spell a
+        burst queues rather than being judged by the trickle before it)."""
+        idle = self._clock() - self._rate_at
+        if idle > RATE_WINDOW or self._rate <= 0:
+            return None
+        return (self.queued + 1) / (self._rate * math.exp(-idle / RATE_WINDOW))
+
     def retry_after(self) -> int:
-        """Seconds until the queue ahead would have drained at the recent finishing rate."""
-        rate = self._rate * math.exp(-(self._clock() - self._rate_at) / RATE_WINDOW)
-        if rate <= 0:
+        """Seconds until the queue ahead would have drained, within [1, the queue timeout]."""
+        wait = self.expected_wait()
+        if wait is None:
             return 1
-        return max(1, min(math.ceil((self.queued + 1) / rate), math.ceil(self.queue_timeout)))
+        return max(1, min(math.ceil(wait), math.ceil(self.queue_timeout)))
 
     async def admit(self, select: Callable[[], T]) -> T:
         """``select()`` once a worker has room: at once when no one waits, else in turn.
@@ -241,6 +251,13 @@ class Capacity:
             raise Overloaded(429, f"every worker is at the capacity it states and "
                              f"{self.queued} requests wait for one (router --worker-queue-size "
                              f"{self.queue_size}); retry later", self.retry_after())
+        wait = self.expected_wait()
+        if wait is not None and wait > self.queue_timeout:
+            # It would only time out in the queue: told now, it can come back when there is room.
+            raise Overloaded(429, f"every worker is at the capacity it states and the "
+                             f"{self.queued} requests waiting would take about {wait:.0f} s to "
+                             f"reach one, past router --worker-queue-timeout-secs "
+                             f"{self.queue_timeout:g}; retry later", self.retry_after())
         turn = asyncio.Event()
         self._waiters.append(turn)
         loop = asyncio.get_running_loop()

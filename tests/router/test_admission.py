@@ -14,7 +14,7 @@ from router_stubs import StubWorker
 
 from index.record import InstanceRecord
 from router.admission import Admission
-from router.capacity import Bound, stated_bound
+from router.capacity import Bound, Capacity, NoRoom, stated_bound
 from router.config import RouterConfig
 from router.errors import Overloaded
 
@@ -309,3 +309,29 @@ def test_the_record_carries_what_an_engine_holds() -> None:
     assert (back.max_running_requests, back.max_total_num_tokens) == (8, 1024)
     assert stated_bound(back.to_dict()) == Bound(8, 64, 16)
     assert stated_bound({"max_running_requests": True, "page_size": 16}) is None
+
+
+async def test_a_queue_that_would_not_drain_in_time_is_429_at_once() -> None:
+    now = [100.0]
+    cap = Capacity(True, queue_size=1000, queue_timeout=10.0, clock=lambda: now[0])
+
+    def no_room() -> None:
+        raise NoRoom("decode")
+
+    for _ in range(5):  # 5 requests finished just now: about 1 a second (RATE_WINDOW 5 s)
+        cap.give(None, 0, finished=True)
+    waiting = [asyncio.create_task(cap.admit(no_room)) for _ in range(10)]
+    await eventually(lambda: cap.queued == 10, "10 requests queued (10 s at 1 a second)")
+    with pytest.raises(Overloaded) as info:
+        await cap.admit(no_room)  # the 11th would wait ~11 s, past the 10 s timeout
+    assert info.value.status == 429 and info.value.retry_after == 10
+    assert "--worker-queue-timeout-secs 10" in str(info.value)
+    for t in waiting:
+        t.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert cap.queued == 0  # cancelled waiters leave the queue
+    now[0] += 6.0  # nothing finished for longer than RATE_WINDOW: no rate to judge by
+    late = asyncio.create_task(cap.admit(no_room))
+    await eventually(lambda: cap.queued == 1, "a request queued after a quiet spell")
+    late.cancel()
+    await asyncio.gather(late, return_exceptions=True)
