@@ -12,10 +12,13 @@ import time
 from typing import Any
 
 from bootstrap.config import BootstrapConfig
+from bootstrap.errors import BootstrapLayerError
 from bootstrap.table import Cell, RankEntry, RankTable
 from index.claim import connect_and_claim
+from index.errors import MalformedValue
 from index.etcd import EtcdClient
-from index.keys import dumps
+from index.framing import finite_number, strict_int
+from index.keys import dumps, loads
 from index.lease import LeaseSession, cancel_and_wait
 from index.lifecycle import undo_on_failure
 from index.owned import LeasedKeys
@@ -31,6 +34,38 @@ def rank_value(cell: Cell, entry: RankEntry) -> dict[str, Any]:
     return {"rank_ip": entry.rank_ip, "rank_port": entry.rank_port, "dp": dp, "cp": cp, "tp": tp,
             "pp": pp, "attn_dp_rank": entry.attn_dp_rank, "system_dp_rank": entry.system_dp_rank,
             "registered_at": entry.registered_at}
+
+
+class MalformedRank(BootstrapLayerError, MalformedValue):
+    """A rank key's value that is not what ``rank_value`` writes; ``reason`` ``bad_rank``."""
+
+    def __init__(self, detail: str, key: bytes | str = "") -> None:
+        MalformedValue.__init__(self, "bad_rank", detail, key)
+
+
+def parse_rank_value(raw: bytes, cell: Cell, key: bytes | str = "") -> RankEntry:
+    """The entry of a rank key's value (``rank_value``'s inverse) for ``cell`` (the key's);
+    MalformedRank for anything else, and nothing else: the value comes from etcd."""
+    try:
+        doc = loads(raw)
+    except (ValueError, TypeError, RecursionError) as exc:  # UnicodeDecodeError included
+        raise MalformedRank(f"not JSON ({type(exc).__name__})", key) from None
+    if not isinstance(doc, dict):
+        raise MalformedRank(f"not a JSON object but {type(doc).__name__}", key)
+    ip, port, at = doc.get("rank_ip"), doc.get("rank_port"), doc.get("registered_at")
+    attn, system = doc.get("attn_dp_rank"), doc.get("system_dp_rank")
+    # strict_int: a bool is an int to Python, and no port or rank.
+    if not isinstance(ip, str) or not ip or not strict_int(port, 1, 65535):
+        raise MalformedRank(f"rank_ip {str(ip)[:40]!r} / rank_port {str(port)[:20]!r}", key)
+    if not finite_number(at):
+        raise MalformedRank(f"registered_at {str(at)[:20]!r} is not a finite number", key)
+    for name, rank in (("attn_dp_rank", attn), ("system_dp_rank", system)):
+        if rank is not None and not strict_int(rank, 0, 2**31):
+            raise MalformedRank(f"{name} {str(rank)[:20]!r} is not a rank", key)
+    named = tuple(doc.get(n) for n in ("dp", "cp", "tp", "pp"))
+    if any(v is not None for v in named) and named != tuple(cell):
+        raise MalformedRank(f"cell {named} disagrees with its key's {tuple(cell)}", key)
+    return RankEntry(ip, port, float(at), attn, system)
 
 
 class RankMirror:
