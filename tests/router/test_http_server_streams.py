@@ -13,6 +13,7 @@ import http_helpers
 import pytest
 from http_helpers import ServerStarted as Started
 from http_helpers import at_eof, connect, echo, let_go, read_all, read_response
+from waiting import wait_until
 
 from router.http.server import Request, Response, Stream, json_response
 
@@ -96,7 +97,7 @@ async def test_client_disconnect_cancels_handler(serve: Started) -> None:
     async def handler(request: Request) -> Response:
         started.set()
         try:
-            await asyncio.sleep(30)
+            await asyncio.sleep(30)  # a handler still working: what is tested is its cancel
         except asyncio.CancelledError:
             outcome.set_result("cancelled")
             raise
@@ -166,7 +167,7 @@ async def test_a_slow_but_whole_request_is_served(serve: Started) -> None:
     reader, writer = await connect(port)
     for piece in (b"POST /p HTTP/1.1\r\nhost: x\r\n", b"content-length: 2\r\n\r\n", b"ok"):
         writer.write(piece)
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # slow on purpose: a slow client is the thing tested
     status, _, body = await read_response(reader)
     assert status == 200 and json.loads(body)["body"] == "ok"
     writer.close()
@@ -233,7 +234,7 @@ async def test_close_waits_for_in_flight_request(serve: Started) -> None:
     writer.write(b"GET /work HTTP/1.1\r\nhost: x\r\n\r\n")
     await asyncio.wait_for(started.wait(), 2)
     closing = asyncio.create_task(server.close(grace=5))
-    await asyncio.sleep(0.15)
+    await asyncio.sleep(0.15)  # a chance to end early, which it must not take: not a wait
     assert not closing.done()
     with pytest.raises(OSError):  # no longer accepting
         await connect(port)
@@ -304,7 +305,10 @@ async def test_client_gone_while_stream_write_is_blocked(serve: Started) -> None
     reader, writer = await connect(port)
     writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
     await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
-    await asyncio.sleep(0.1)  # the handler's writes fill the buffers and block
+    # The handler's writes fill the buffers and block (the transport paused its writing).
+    await wait_until(lambda: any(c._paused is not None and not c._paused.done()
+                                 for c in server.connections),
+                     what="the stream's writes block on full buffers")
     writer.transport.abort()
     assert await asyncio.wait_for(outcome, 30) in ("CancelledError", "ConnectionResetError")
     await let_go(server)
