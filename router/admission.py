@@ -3,7 +3,8 @@
 sglang-router's ``--max-concurrent-requests``, ``--queue-size`` and ``--queue-timeout-secs``:
 a router in front of saturated engines should push back rather than pile up requests. A
 request past the limit waits in a FIFO queue for a slot; with the queue full it gets a 429
-at once, and after waiting too long a 408, both saying which limit it hit.
+at once, and after waiting too long a 408, both saying which limit it hit, with a one-second
+``Retry-After``.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class Admission:
         if self.queued >= self.queue_size:
             raise Overloaded(429, f"too many requests: {self.in_flight} in flight (router "
                              f"--max-concurrent-requests {self.limit}) and {self.queued} "
-                             f"queued (--queue-size {self.queue_size}); retry later")
+                             f"queued (--queue-size {self.queue_size}); retry later",
+                             retry_after=1)
         slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(slot)
         try:
@@ -47,7 +49,7 @@ class Admission:
             self._give_up(slot)
             raise Overloaded(408, f"no free slot within {self.queue_timeout:g} s (router "
                              f"--queue-timeout-secs; {self.limit} requests at once, "
-                             "--max-concurrent-requests)")
+                             "--max-concurrent-requests)", retry_after=1)
 
     def leave(self) -> None:
         """Give the slot back: to the longest waiter, if any, else to the pool."""

@@ -97,8 +97,10 @@ async def test_through_the_router(stubs: Any, make_router: Any) -> None:
     second = asyncio.create_task(post())  # queued behind the first
     while client.app.admission.queued < 1:
         await asyncio.sleep(0.005)
-    status, body = await post()  # the queue is full
-    assert status == 429 and "--max-concurrent-requests 1" in body["error"]
+    resp = await client.post("/generate", json={"text": "x"})  # the queue is full
+    body = await resp.json()
+    assert resp.status == 429 and "--max-concurrent-requests 1" in body["error"]
+    assert resp.headers["Retry-After"] == "1" and body["retry_after_s"] == 1
     assert [(await t)[0] for t in (first, second)] == [200, 200]
     assert len(d.bodies) == 2 and client.app.admission.in_flight == 0
     # Health and metrics never queue behind requests.
