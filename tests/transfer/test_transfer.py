@@ -6,6 +6,7 @@ import asyncio
 import pytest
 import torch
 from transfer_helpers import Rig, fast_config, layout, pages_of, pool
+from waiting import wait_until
 
 from transfer import TransferError, TransferState
 
@@ -55,7 +56,8 @@ async def test_request_before_prefill_knows_room(rig: Rig) -> None:
     src, dst = pool(lay, 8, 1), pool(lay, 8, None)
     s, r = await rig.sender(lay, src), await rig.receiver(lay, dst)
     task = asyncio.create_task(r.receive(9, [s.endpoint], [1, 2]))
-    await asyncio.sleep(0.2)  # the request is already waiting at the prefill
+    # The request is already waiting at the prefill (kept as early, its room unknown there).
+    await wait_until(lambda: len(s._early) == 1, what="the prefill holds the early request")
     assert r.poll(9) is TransferState.WAITING_FOR_INPUT and s.poll(9) is None
     s.create(9)
     assert s.poll(9) is TransferState.WAITING_FOR_INPUT
@@ -276,12 +278,14 @@ async def test_restarted_prefill_rank_is_registered_again(rig: Rig) -> None:
     from transfer import TensorPageSource
     from transfer.backends.zmq_backend import ZmqSender
     s2 = ZmqSender(fast_config(), lay, TensorPageSource(src, lay), port=s1.rank_address[1])
-    for _ in range(50):  # ZMQ releases the closed socket's port from its I/O thread, a bit later
+    async def started() -> bool:
         try:
             await s2.start()
-            break
         except OSError:
-            await asyncio.sleep(0.1)
+            return False
+        return True
+    # ZMQ releases the closed socket's port from its I/O thread, a bit later.
+    await wait_until(started, what="the new sender binds the old port", interval=0.1)
     rig.senders.append(s2)
     # A message ZMQ writes into the old connection before it notices the peer died is lost; the
     # decode's heartbeat is what finds the new process (as the PD heartbeat monitor does).
