@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from conftest import SidecarCluster
+from waiting import wait_until
 
 from engine.config import get_model_config
 from engine.protocol import encode_text
@@ -114,16 +115,16 @@ async def test_second_request_of_a_shared_prefix_goes_to_its_holder_with_index_b
                                                       "sampling_params": SAMPLING})
     assert status == 200, first
     body = {"text": prefix + "Second question?"}
-    holder = None
-    for _ in range(50):  # the holder's KV events reach the router's mirror within ~100 ms
+
+    async def indexed() -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """(route, its best candidate) once the holder's KV events reached the router."""
         status, route = await post(f"{router}/debug/route", body)
         assert status == 200, route
         best = max(route["candidates"], key=lambda c: c["index_blocks"])
-        if best["index_blocks"] > 0:
-            holder = best["instance_id"]
-            break
-        await asyncio.sleep(0.1)
-    assert holder is not None, (route, shared_cluster.logs())
+        return (route, best) if best["index_blocks"] > 0 else None
+    route, best = await wait_until(indexed, what="the router's index holds the prompt's blocks",
+                                   interval=0.1, detail=shared_cluster.logs)
+    holder = best["instance_id"]
     assert route["prefill"]["instance_id"] == holder, route
     status, second = await post(f"{router}/generate", {**body, "sampling_params": SAMPLING})
     assert status == 200
