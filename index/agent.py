@@ -373,7 +373,8 @@ class IndexAgent:
         return {
             "subscriber": self.subscriber.stats(), "writer": self.writer.stats(),
             "lease": {"id": self.session.lease_id, "healthy": self.session.healthy,
-                      "generation": self.session.generation, "last_error": self.session.last_error},
+                      "generation": self.session.generation, "last_error": self.session.last_error,
+                      "late_keepalives": self.session.late_keepalives},
             "block_lease": {"shard": self.blocks.shard, "endpoint": self.blocks.endpoint,
                             "id": self.blocks.session.lease_id,
                             "healthy": self.blocks.session.healthy},
@@ -405,6 +406,7 @@ def counters_doc(model: str, ingestor: InstanceIngestor | Sequence[InstanceInges
         "last_seq": stats[0].last_seq if len(stats) == 1 else [st.last_seq for st in stats],
         "batches": sum(st.batches for st in stats), "applied": sum(st.applied for st in stats),
         "rejected": dict(rejected), "gaps": sum(st.gaps for st in stats),
+        "dropped": sum(st.dropped for st in stats),
         "replays": sum(st.replays for st in stats), "clears": sum(st.clears for st in stats),
         "restarts": sum(st.restarts for st in stats),
         "blocks": len(writer), "writer_state": writer.state, "pending": writer.pending,

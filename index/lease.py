@@ -63,6 +63,9 @@ class LeaseSession:
         self.healthy = False
         self.last_error: str | None = None
         self.last_ok = 0.0
+        self.late_keepalives = 0
+        """Refreshes that started more than ttl/3 after they were due: the event loop was held
+        by work that never yields (the lease expires when that lasts ttl)."""
         self._listeners: list[NewLeaseCallback] = []
         self._changed = asyncio.Event()
         self._granted = asyncio.Event()
@@ -87,6 +90,7 @@ class LeaseSession:
     async def run(self) -> None:
         """Hold the lease until cancelled. Never raises on etcd trouble; it retries."""
         backoff = Backoff(cap=min(5.0, self.ttl / 3))
+        loop = asyncio.get_running_loop()
         while True:
             # Cleared before the attempt so that a lost() during a slow keepalive is not missed.
             self._changed.clear()
@@ -114,10 +118,17 @@ class LeaseSession:
             except EtcdError as exc:
                 self._mark_failed(exc)
                 delay = backoff.next()
+            due = loop.time() + delay
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=delay)
             except TimeoutError:
                 pass
+            late = loop.time() - due
+            if late > self.ttl / 3:
+                self.late_keepalives += 1
+                logger.warning("etcd lease %s: refresh ran %.1f s late (ttl %d s): the event loop "
+                               "was held by work that does not yield", _hex(self.lease_id),
+                               late, self.ttl)
 
     async def _grant(self) -> tuple[int, int]:
         grant = asyncio.ensure_future(self.client.grant(self.ttl))
@@ -150,3 +161,7 @@ class LeaseSession:
             except EtcdError as exc:
                 logger.warning("could not revoke lease %x (its keys expire with its TTL): %s",
                                lease_id, exc)
+
+
+def _hex(lease_id: int | None) -> str:
+    return "(none)" if lease_id is None else f"{lease_id:x}"

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 U64 = 2**64 - 1
 MAX_TOKEN_ID = 2**32 - 1
+_SMALL_TOKENS = 256
+"""Up to this many token ids are checked without numpy (its per-call cost dominates)."""
 END_SEQ = b"\xff" * 8  # replay end marker: seq -1
 Encoding = Literal["map", "array"]
 
@@ -188,6 +190,14 @@ def _tokens(v: Any, limits: DecodeLimits) -> list[int]:
         raise MalformedEvent("too_large", f"{len(v)} token ids in one event exceed "
                              f"{limits.max_tokens_per_event}")
     if not v:
+        return v
+    if len(v) <= _SMALL_TOKENS:
+        # A page or a few (every one-block event): plain Python is several times faster than
+        # building an array, and a burst of such events is decoded one by one.
+        if not all(type(t) is int for t in v):
+            raise MalformedEvent("bad_tokens", "token_ids must be integers")
+        if min(v) < 0 or max(v) > MAX_TOKEN_ID:
+            raise MalformedEvent("bad_tokens", "token ids must be in the uint32 range")
         return v
     try:
         arr = np.asarray(v)

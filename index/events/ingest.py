@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from index.block_index import GPU, BlockIndex, valid_medium
+from index.events.pacing import TimeSlice
 from index.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from index.hashing import DEFAULT_BLOCK_SIZE, block_hashes, namespace_seed
 
@@ -75,6 +76,11 @@ class IngestStats:
     """Events refused, by reason: block_size_mismatch, unknown_parent, token_count_mismatch, ..."""
     last_seq: int | None = None
     gaps: int = 0
+    dropped: int = 0
+    """Batches that never arrived in order: the sequence numbers each gap skipped (dropped by
+    ZMQ past a high-water mark under a flood, lost to the slow joiner, or held back past
+    ``max_held_back`` during a replay). A replay recovers them while the publisher still keeps
+    them; otherwise the instance was cleared and is resyncing."""
     replays: int = 0
     replay_failures: int = 0
     restarts: int = 0
@@ -87,7 +93,8 @@ class IngestStats:
 
     def as_dict(self) -> dict[str, object]:
         return {"batches": self.batches, "applied": self.applied, "rejected": dict(self.rejected),
-                "last_seq": self.last_seq, "gaps": self.gaps, "replays": self.replays,
+                "last_seq": self.last_seq, "gaps": self.gaps, "dropped": self.dropped,
+                "replays": self.replays,
                 "replay_failures": self.replay_failures, "restarts": self.restarts,
                 "clears": self.clears, "duplicates": self.duplicates,
                 "unknown_removed": self.unknown_removed, "evicted": self.evicted,
@@ -124,6 +131,8 @@ class InstanceIngestor:
         # seq -> publisher timestamp of batches applied since a replay began, while live copies
         # of them may still arrive (at most a replay's worth: the publisher keeps 10,000).
         self._replayed_ts: dict[int, float] = {}
+        # One batch may hold 65,536 events (DecodeLimits): seconds of work on its own.
+        self._slice = TimeSlice()
 
     @property
     def state(self) -> State:
@@ -166,6 +175,7 @@ class InstanceIngestor:
         expected = 0 if last is None else last + 1
         if seq != expected:
             self.stats.gaps += 1
+            self.stats.dropped += seq - expected
             if self.replay and live:
                 log.info("instance %s: gap (expected seq %d, got %d); replaying",
                          self.instance, expected, seq)
@@ -253,6 +263,9 @@ class InstanceIngestor:
                 self.stats.applied += 1
             else:
                 self.stats.rejected[reason] += 1
+            # Safe mid-batch: each event's index writes are done, and batches of one ingestor
+            # are fed one at a time (the caller awaits this one before the next).
+            await self._slice.tick()
         self.stats.batches += 1
         self.stats.last_seq = seq
 

@@ -148,11 +148,16 @@ class KVEventPublisher:
 
     def publish(self, batch: KVEventBatch) -> int:
         """Send one batch now; returns its sequence number. Never blocks."""
+        return self.publish_payload(encode_payload(batch, self.config.encoding))
+
+    def publish_payload(self, payload: bytes) -> int:
+        """Send one batch already encoded (``encode_payload``) now; returns its sequence number.
+
+        For a relay, or a load test sending the same bytes many times. Never blocks."""
         if self._pub is None:
             raise RuntimeError("KVEventPublisher.publish() before start()")
         seq = self._seq
         self._seq += 1
-        payload = encode_payload(batch, self.config.encoding)
         self._buffer.append((seq, payload))
         try:
             # A PUB socket drops rather than blocks; NOBLOCK only guards the connect-mode case

@@ -6,6 +6,12 @@ reader. When the ingestor reports a gap and a replay endpoint is configured, a f
 ``[b"", start_seq]`` to the publisher's ROUTER and the replies ``[b"", topic, seq, payload]`` are
 fed in before any further live message (live ones queue in the SUB socket meanwhile), up to the
 end marker ``[b"", b"", 0xff*8, b""]``.
+
+The reader hands the loop back every ``TimeSlice`` (10 ms) of work, so a burst of queued events
+never holds up the process's other tasks (its lease keepalive above all). What queues meanwhile is
+bounded by ZMQ: ``hwm`` messages here (and the publisher's own high-water mark); past that the
+publisher drops, the ingestor counts the missing sequence numbers (``dropped``) and replays them
+or, when the publisher no longer has them, resyncs the instance.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from index.events.codec import END_SEQ, DecodeLimits, decode_message
 from index.events.endpoints import bindable, connectable, is_ipv6, parse_tcp, publisher_binds
 from index.events.errors import MalformedEvent
 from index.events.ingest import InstanceIngestor, ReplayRequest
+from index.events.pacing import TimeSlice
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +50,8 @@ class SubscriberConfig:
     model: str | None = None
     """When set, messages whose llm-d topic ``kv@<pod>@<model>`` names another model are refused."""
     hwm: int = 100_000
-    """Receive high-water mark (messages)."""
+    """Receive high-water mark (messages): the most a burst queues here while it is applied;
+    what the publisher sends past it (and past its own mark) is dropped and then replayed."""
     replay_timeout: float = 5.0
     """Seconds to wait for each replay reply before giving up on the replay."""
     max_message_bytes: int = 64 * 2**20
@@ -56,6 +64,9 @@ class SubscriberConfig:
             parse_tcp(self.replay_endpoint)
         if self.replay_timeout <= 0:
             raise ValueError(f"replay_timeout must be > 0, got {self.replay_timeout}")
+        if self.hwm < 1:
+            raise ValueError(f"hwm must be >= 1 message (0 would make ZMQ's queue unbounded), "
+                             f"got {self.hwm}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
 
@@ -105,6 +116,8 @@ class KVEventSubscriber:
         self._monitor: zmq.asyncio.Socket | None = None
         self._monitor_task: asyncio.Task[None] | None = None
         self._model = config.model.encode() if config.model else None
+        # One slice for live and replayed messages alike: a replay is a burst too.
+        self._slice = TimeSlice()
 
     async def start(self) -> None:
         cfg = self.config
@@ -176,12 +189,15 @@ class KVEventSubscriber:
         sub = self._sub
         assert sub is not None
         while True:
+            # Returns at once, without a turn of the loop, while messages are queued: the slice
+            # below is what lets the other tasks run during a burst.
             frames = await sub.recv_multipart()
             try:
                 await self.handle(frames)
             except Exception:  # a bug must not silence the instance's events for good
                 self.malformed["internal_error"] += 1
                 log.exception("KV events for %s: unexpected error", self.ingestor.instance)
+            await self._slice.tick()
 
     async def handle(self, frames: list[bytes], *, replayed: bool = False) -> None:
         """Decode and apply one message; never raises for bad input or a failing index."""
@@ -239,6 +255,7 @@ class KVEventSubscriber:
                     self.malformed["bad_replay_frame"] += 1
                     continue
                 await self.handle(reply[1:], replayed=True)
+                await self._slice.tick()
         except TimeoutError:
             log.warning("KV events for %s: replay from %d timed out on %s",
                         self.ingestor.instance, start_seq, cfg.replay_endpoint)
@@ -250,7 +267,8 @@ class KVEventSubscriber:
         return {"instance": self.ingestor.instance, "state": self.ingestor.state,
                 "received": self.received, "publishers": self.publishers,
                 "connections": self.connections, "malformed": dict(self.malformed),
-                "apply_errors": self.apply_errors, **self.ingestor.stats.as_dict()}
+                "apply_errors": self.apply_errors, "yields": self._slice.yields,
+                **self.ingestor.stats.as_dict()}
 
     async def close(self) -> None:
         for task in (self._task, self._monitor_task):

@@ -6,14 +6,26 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+
+import pytest
 
 from index.events.publisher import KVEventPublisher
 from index.events.types import KVEvent, KVEventBatch
 from kvatlas.etcd_proc import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+async def closers() -> AsyncIterator[list]:
+    """Things with an async ``close()`` a test started, closed in reverse order afterwards
+    (import the fixture into the test module)."""
+    things: list = []
+    yield things
+    for t in reversed(things):
+        await t.close()
 
 
 def tcp() -> str:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
 import pytest
 import zmq
-from agent_helpers import eventually, publish_all, run_cli, tcp
+from agent_helpers import closers, eventually, publish_all, run_cli, tcp  # noqa: F401
 from kv_sim import SimEngine
 
 from index.agent import AgentConfig, AgentError, IndexAgent, WriterIndex
@@ -36,14 +35,6 @@ def agent_config(etcd_endpoint: str, key_prefix: str, instance_id: str, endpoint
                        etcd=EtcdSettings.from_text(etcd_endpoint, timeout=3.0),
                        etcd_prefix=key_prefix, lease_ttl=5, stats_interval=0.1,
                        record_check_interval=0.1)
-
-
-@pytest.fixture
-async def closers() -> AsyncIterator[list]:
-    things: list = []
-    yield things
-    for t in reversed(things):
-        await t.close()
 
 
 async def start_pair(closers: list, etcd_endpoint: str, key_prefix: str, instance_id: str,
