@@ -8,14 +8,10 @@ import random
 from typing import Any
 
 import pytest
+from waiting import wait_until
 
 from router.client_ids import RidEcho, client_rid
 from router.errors import BadRequest
-
-
-async def _until(cond: Any) -> None:
-    while not cond():
-        await asyncio.sleep(0.01)
 
 
 async def test_sixteen_concurrent_requests_with_one_rid_are_all_served(
@@ -29,7 +25,8 @@ async def test_sixteen_concurrent_requests_with_one_rid_are_all_served(
         return resp.status, resp.headers["x-request-id"], await resp.json()
 
     pending = asyncio.gather(*(one(i) for i in range(16)))
-    await asyncio.wait_for(_until(lambda: len(p.bodies) >= 16 and len(d.bodies) >= 16), 10)
+    await wait_until(lambda: len(p.bodies) >= 16 and len(d.bodies) >= 16, timeout=10.0,
+                     what="both workers got all 16 requests")
     p.hold.set()
     d.hold.set()
     answers = await asyncio.wait_for(pending, 10)

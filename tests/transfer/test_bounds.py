@@ -8,6 +8,7 @@ import asyncio
 import pytest
 import zmq
 from transfer_helpers import Rig, fast_config, layout, pool
+from waiting import wait_until
 
 from transfer import TransferError, wire
 from transfer.backends.zmq_backend import ZmqReceiver, ZmqSender
@@ -29,11 +30,6 @@ async def raw_request(r, s, room: int, ids: tuple[int, ...]) -> None:
         transfer_id=10_000 + room, room=room, dst_rank=0, num_requesters=1, dst_page_ids=ids)))
 
 
-async def until(predicate) -> None:
-    while not predicate():
-        await asyncio.sleep(0.01)
-
-
 @pytest.mark.parametrize("ids, word", [
     ((0, 8), "within [0, 8) (the decode's pool)"),        # id outside the decode's pool
     ((1, 1), "distinct"),                                   # the same page twice
@@ -42,19 +38,19 @@ async def until(predicate) -> None:
 async def test_bad_page_ids_are_refused_before_anything_is_stored(rig: Rig, ids, word) -> None:
     s, r = await pair(rig, prefill_pages=4)
     await raw_request(r, s, 900, ids)
-    await until(lambda: s.stats["refused"] == 1)
+    await wait_until(lambda: s.stats["refused"] == 1, what="the prefill refuses the request")
     assert len(s._early) == 0 and s.poll(900) is None
 
 
 async def test_early_requests_keep_no_page_ids_and_are_capped(rig: Rig) -> None:
     s, r = await pair(rig, prefill_pages=64, decode_pages=64, max_early_requests=3)
     await raw_request(r, s, 1, tuple(range(64)))
-    await until(lambda: len(s._early) == 1)
+    await wait_until(lambda: len(s._early) == 1, what="the prefill holds 1 early request")
     [kept], _ = s._early.pop(1)
     assert kept.request.dst_page_ids == () and kept.num_pages == 64
     # three rooms fit; the decode asking for a fourth hears at once why it will get nothing
     fits = [asyncio.create_task(r.receive(room, [s.endpoint], [room])) for room in (2, 3, 4)]
-    await until(lambda: len(s._early) == 3)
+    await wait_until(lambda: len(s._early) == 3, what="the prefill holds 3 early requests")
     with pytest.raises(TransferError, match="already holds 3 requests and aborts.*max_early"):
         await r.receive(5, [s.endpoint], [5])
     for room in (2, 3, 4):  # the kept ones are served normally once the prefill admits them
