@@ -11,9 +11,14 @@ from waiting import wait_until
 from index.agent import AgentConfig, IndexAgent
 from index.agent_stats import stats_key
 from index.etcd import EtcdClient, EtcdSettings
+from index.events.feed import EventFeed
+from index.events.ingest import InstanceIngestor
 from index.events.publisher import KVEventPublisher, PublisherConfig
 from index.events.subscriber import SubscriberConfig
+from index.events.types import BlockStored
+from index.hashing import block_hashes
 from index.keys import KeyLayout, loads
+from index.memory import MemoryBlockIndex
 from index.segments import held_blocks
 
 pytestmark = pytest.mark.timeout(240)
@@ -114,3 +119,25 @@ async def _stats_doc(etcd: EtcdClient, layout: KeyLayout, instance_id: str,
     kv = await etcd.get(stats_key(layout, instance_id))
     doc = loads(kv.value) if kv is not None else None
     return doc if doc and doc.get("last_seq") == last else None
+
+
+async def test_the_prefill_feed_drops_past_its_bound_counts_it_and_resyncs_the_instance() -> None:
+    index = MemoryBlockIndex()
+    feed = EventFeed(InstanceIngestor(index, "p0", block_size=16), max_queued=2)
+    feed.start()
+    try:
+        # Five batches from the engine's synchronous sink before the feed's task gets a turn.
+        for i in range(5):
+            feed.sink([BlockStored([i + 1], None, [i] * 16, 16)])
+        assert feed.dropped == 3
+        await wait_until(lambda: feed.ingestor.stats.last_seq == 1,
+                         what="the feed applied the two batches it kept")
+        # The next batch after the dropped ones shows the gap: cleared and resyncing.
+        feed.sink([BlockStored([9], None, [9] * 16, 16)])
+        await wait_until(lambda: feed.ingestor.stats.last_seq == 5,
+                         what="the feed applied the batch after the dropped ones")
+        st = feed.ingestor.stats
+        assert st.dropped == 3 and st.gaps == 1 and feed.ingestor.state == "resyncing"
+        assert index.blocks("p0") == set(block_hashes([9] * 16, 16))
+    finally:
+        await feed.close()
