@@ -40,6 +40,9 @@ class KVPool:
                               dtype=dtype, device=device)
         self._free: deque[int] = deque(range(num_pages))
         self._refs = [0] * num_pages
+        self.unreferenced = 0
+        """Times a page lost its last reference, ever: it then became free or evictable, so a
+        caller waiting for pages compares this count before and after (``AsyncEngine``)."""
 
     # -- accounting ------------------------------------------------------------------------
     @property
@@ -76,6 +79,8 @@ class KVPool:
         if self._refs[page] <= 0:
             raise RuntimeError(f"page {page} released more often than referenced")
         self._refs[page] -= 1
+        if self._refs[page] == 0:
+            self.unreferenced += 1
         return self._refs[page]
 
     def release(self, page: int) -> None:

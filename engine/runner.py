@@ -102,6 +102,12 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        # pages losing their last reference (``KVPool.unreferenced``): the count the engine
+        # thread last reported, and the count the event loop knows, with the event its page
+        # waiters sleep on (replaced at each report, so that every waiter sees it set)
+        self._unreferenced_reported = 0
+        self._unreferenced_known = 0
+        self._pages_freed = asyncio.Event()
 
     @contextlib.contextmanager
     def claim(self, rids: Sequence[str]) -> Iterator[None]:
@@ -129,7 +135,48 @@ class AsyncEngine:
     async def call(self, fn: Callable[..., object], *args: object) -> object:
         """Run ``fn(*args)`` in the engine thread, between steps (the only safe way to touch
         the scheduler, pool or cache from asyncio)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._in_thread, loop, fn, args)
+
+    def _in_thread(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., object],
+                   args: tuple[object, ...]) -> object:
+        """Engine thread: ``fn(*args)``, then wake the page waiters if it freed pages. Told
+        from here, not when the caller's await returns: a caller cancelled meanwhile never
+        returns there, and its call may be the one that freed them."""
+        try:
+            return fn(*args)
+        finally:
+            freed = self.scheduler.pool.unreferenced
+            if freed != self._unreferenced_reported:
+                self._unreferenced_reported = freed
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                    loop.call_soon_threadsafe(self._report_freed, freed)
+
+    def _report_freed(self, freed: int) -> None:
+        if freed > self._unreferenced_known:
+            self._unreferenced_known = freed
+            self._pages_freed.set()
+            self._pages_freed = asyncio.Event()
+
+    @property
+    def freed_mark(self) -> int:
+        """Engine thread: the pool's count of pages freed so far, to read in the same call as a
+        page allocation that failed and hand to :meth:`wait_freed`."""
+        return self.scheduler.pool.unreferenced
+
+    async def wait_freed(self, mark: int, timeout: float) -> bool:
+        """Wait until a page is freed (loses its last reference) after ``freed_mark`` read
+        ``mark``: woken by the engine thread's call that freed it, not by polling. False when
+        ``timeout`` seconds passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._unreferenced_known <= mark:
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._pages_freed.wait(), left)
+        return True
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="engine-loop")

@@ -54,6 +54,8 @@ class DecodeState:
     rooms: RoomLog
     monitors: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     stats: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0})
+    reserving: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held by the one room trying to reserve pages; the rest queue on it in arrival order."""
 
 
 DECODE_KEY = web.AppKey("pd_decode", DecodeState)
@@ -169,23 +171,42 @@ async def serve_room(request: web.Request, ds: DecodeState, gi: Any, rid: str, b
 
 async def reserve(ds: DecodeState, prompt_len: int, max_new: int, rec: RoomRecord
                   ) -> list[int] | None:
+    """The room's pages, or None when they were not free within the waiting timeout. Rooms
+    wait in arrival order (FIFO, as the scheduler admits: a large room is not starved by
+    small ones) and hold no page while they wait; only the first tries, again each time the
+    engine frees pages (woken by it, not polling), so a release wakes one reserve, not all."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ds.cfg.transfer.waiting_timeout_s
-    while True:
-        pages = await reserve_once(ds, prompt_len, max_new)
-        if pages is not None:
-            rec.ranks["pages"] = len(pages)  # type: ignore[arg-type]
-            return pages  # type: ignore[return-value]
-        if loop.time() > deadline:
-            return None
-        await asyncio.sleep(0.005)
+    try:
+        await asyncio.wait_for(ds.reserving.acquire(), ds.cfg.transfer.waiting_timeout_s)
+    except TimeoutError:
+        return None
+    try:
+        while True:
+            mark, pages = await reserve_once(ds, prompt_len, max_new)
+            if pages is not None:
+                rec.ranks["pages"] = len(pages)  # type: ignore[assignment]
+                return pages
+            if not await ds.engine.wait_freed(mark, deadline - loop.time()):
+                return None
+    finally:
+        ds.reserving.release()
 
 
-async def reserve_once(ds: DecodeState, prompt_len: int, max_new: int) -> list[int] | None:
-    """One reservation attempt. The engine thread finishes a reserve it has begun whatever
-    happens to this task, so a cancellation (the client hung up) waits for its outcome and
-    gives the pages back: dropped with the task, they would stay taken until a restart."""
-    call = asyncio.ensure_future(ds.engine.call(ds.replica.reserve, prompt_len, max_new))
+def try_reserve(ds: DecodeState, prompt_len: int, max_new: int
+                ) -> tuple[int, list[int] | None]:
+    """Engine thread: (the engine's freed-pages mark, the pages or None when not free now);
+    the mark is read in the same call, so no page freed after the attempt goes unnoticed."""
+    return ds.engine.freed_mark, ds.replica.reserve(prompt_len, max_new)
+
+
+async def reserve_once(ds: DecodeState, prompt_len: int, max_new: int
+                       ) -> tuple[int, list[int] | None]:
+    """One reservation attempt: ``try_reserve``'s answer. The engine thread finishes a reserve
+    it has begun whatever happens to this task, so a cancellation (the client hung up) waits
+    for its outcome and gives the pages back: dropped with the task, they would stay taken
+    until a restart."""
+    call = asyncio.ensure_future(ds.engine.call(try_reserve, ds, prompt_len, max_new))
     try:
         return await asyncio.shield(call)  # type: ignore[return-value]
     except asyncio.CancelledError:
@@ -195,7 +216,7 @@ async def reserve_once(ds: DecodeState, prompt_len: int, max_new: int) -> list[i
 
 async def give_back_reservation(ds: DecodeState, call: asyncio.Future[object]) -> None:
     try:
-        pages = await call
+        _, pages = await call  # type: ignore[misc]
     except Exception:  # refused (CapacityError): nothing was taken
         return
     if pages:

@@ -1,11 +1,12 @@
 """The prefill instance's leader (HTTP, bootstrap server, index writer) and its follower ranks.
 
-A PD ``/generate`` (the router sends the same body to prefill and decode at once) runs the prompt
-with ``max_new_tokens=1`` and ``hold_pages``, so its pages stay pinned, sends the pages of every
-TP rank plus the first token and cached-token count to the decode ranks that asked for the room,
-and only then gives the pages back. It answers once the KV is sent; the router ignores that body.
-A room it gives up (its client left, its own send failed) is aborted on every TP rank before
-the pages come back, so that no follower keeps sending them.
+A PD ``/generate`` (the router sends the same body to prefill and decode at once) waits, holding
+no page, until the room's decode asked for it (which it does once it reserved the room's pages),
+then runs the prompt with ``max_new_tokens=1`` and ``hold_pages``, so its pages stay pinned, sends
+the pages of every TP rank plus the first token and cached-token count to the decode ranks that
+asked for the room, and only then gives the pages back. It answers once the KV is sent; the
+router ignores that body. A room it gives up (its client left, its own send failed) is aborted
+on every TP rank before the pages come back, so that no follower keeps sending them.
 With ``--dp`` > 1, world rank 0 picks the DP group (``room % dp`` or round robin announced with
 ``/register_dp_rank``) and forwards the request to that group's leader.
 """
@@ -70,6 +71,8 @@ class PrefillState:
                                                            "forwarded": 0})
     sending: set[int] = field(default_factory=set)
     """Rooms whose KV every TP rank was told to send and whose send has not ended here."""
+    awaiting_decode: set[int] = field(default_factory=set)
+    """Rooms admitted here that wait, holding no page, for their decode to ask for them."""
 
 
 PREFILL_KEY = web.AppKey("pd_prefill", PrefillState)
@@ -147,6 +150,12 @@ async def prefill_one(ps: PrefillState, prompt: list[int], params: Any, rid: str
     except TransferError as exc:
         raise BadRequest("bootstrap_room", exc.reason) from None
     started = time.monotonic()
+    try:
+        await wait_for_decode(ps, room)
+    except TransferError as exc:
+        ps.stats["failed"] += 1
+        return json_error(502, f"room {room} was not computed: {exc}", room=room,
+                          stage=exc.stage.name if exc.stage else None)
     last = None
     try:
         async with contextlib.aclosing(engine.generate(
@@ -192,6 +201,22 @@ async def prefill_one(ps: PrefillState, prompt: list[int], params: Any, rid: str
                       "cached_tokens": cached, "completion_tokens": 1,
                       "finish_reason": {"type": "kv_sent"},
                       "e2e_latency": round(time.monotonic() - started, 6)}})
+
+
+async def wait_for_decode(ps: PrefillState, room: int) -> None:
+    """Wait, holding no page, until every decode rank that reads this rank asked for ``room``
+    (as SGLang's bootstrap queue does). A decode asks only once it reserved the room's pages,
+    so every page this prefill pins then has a destination: the two pools can never fill with
+    rooms waiting on each other (computed rooms here whose decodes wait for pages held by
+    rooms not computed yet). The other TP ranks are not waited for: their decode ranks ask
+    after the same reservation, and each sends on the leader's instruction. Raises the
+    room's TransferError when no decode asked within the bootstrap timeout or the decode
+    aborted it; a cancellation (the client left) fails the room and tells its decode."""
+    ps.awaiting_decode.add(room)
+    try:
+        await ps.sender.wait_bootstrapped(room)
+    finally:
+        ps.awaiting_decode.discard(room)
 
 
 def abort_and_release(ps: PrefillState, room: int, reason: str, rid: str) -> None:
@@ -250,7 +275,8 @@ async def send_and_collect(ps: PrefillState, room: int, pages: list[int], first:
 async def stats_get(request: web.Request) -> web.Response:
     ps = request.app[PREFILL_KEY]
     doc: dict[str, Any] = {"rank": ps.ranks.info.name, **ps.stats, "sender": ps.sender.stats,
-                           "held": len(ps.replica.held), "sending": len(ps.sending)}
+                           "held": len(ps.replica.held), "sending": len(ps.sending),
+                           "awaiting_decode": len(ps.awaiting_decode)}
     if ps.uplink is not None:  # the other TP ranks' outcomes (send_ok, send_failed)
         doc["ranks"] = dict(ps.uplink.counts)
     if ps.writer is not None:

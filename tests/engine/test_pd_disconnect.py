@@ -141,11 +141,13 @@ async def test_a_hang_up_while_the_prefill_waits_for_its_decode(patient_pair: Pa
     async with aiohttp.ClientSession() as s:
         body = {**pd_body(IDS, 8, pair.bport), "rid": "waiting"}
         prefill = asyncio.create_task(post(s, pair.p_url, body))  # its decode never comes
-        await wait_until(lambda: "waiting" in ps.held, "the prefill holding its pages")
+        room = body["bootstrap_room"]
+        await wait_until(lambda: room in pair.ps.awaiting_decode, "the prefill waiting")
+        assert not ps.held and ps.cache.pages_in_use == 0, "it holds pages before its decode"
         await hang_up(prefill)
-        await wait_until(lambda: not ps.held and ps.cache.pages_in_use == 0,
-                         "the held pages given back")
-        assert pair.ps.sender.poll(body["bootstrap_room"]).name == "FAILED"
+        await wait_until(lambda: room not in pair.ps.awaiting_decode, "the wait abandoned")
+        assert pair.ps.sender.poll(room).name == "FAILED"
+        assert ps.totals["requests"] == 0, "the prompt ran without a decode"
         await next_served(s, pair)
 
 

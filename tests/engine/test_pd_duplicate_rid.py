@@ -77,22 +77,21 @@ async def test_sixteen_pd_requests_under_one_rid(quick_pair: Pair) -> None:
         await served_at_rest(s, pair, "same")
 
 
-async def test_a_prefill_refuses_an_id_whose_pages_it_still_holds(quick_pair: Pair) -> None:
+async def test_a_prefill_refuses_an_id_whose_decode_it_still_waits_for(quick_pair: Pair
+                                                                      ) -> None:
     pair = quick_pair
     ps = pair.ps.replica
     room = new_room()
     async with aiohttp.ClientSession() as s:
-        # a prefill whose decode has not come yet: its pages are held under its id
+        # a prefill whose decode has not come yet: it waits under its id, holding no page
         first = asyncio.create_task(post(s, pair.p_url, {**pd_body(IDS, 4, pair.bport, room),
                                                          "rid": "p"}))
-        await wait_until(lambda: "p" in ps.held, "the first prefill holding its pages")
-        held = list(ps.held["p"])
-        refs = [ps.pool.refcount(p) for p in held]
+        await wait_until(lambda: room in pair.ps.awaiting_decode, "the first prefill waiting")
         dups = await asyncio.gather(*(post(s, pair.p_url, {**pd_body(IDS, 4, pair.bport),
                                                            "rid": "p"}) for _ in range(15)))
         assert all(refused(st, doc, "p") for st, doc in dups), dups
-        assert ps.held == {"p": held} and [ps.pool.refcount(p) for p in held] == refs
-        assert ps.totals["requests"] == 1
+        assert room in pair.ps.awaiting_decode
+        assert not ps.held and ps.pool.total_refs == 0 and ps.totals["requests"] == 0
         # no decode ever asks for its room: it gives up and gives its pages back
         status, _ = await first
         assert status == 502

@@ -5,6 +5,7 @@ to run in its event loop before the next replicated call (the one giving the pag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -12,10 +13,14 @@ from typing import Any
 
 import aiohttp
 import pytest
+import torch
 from pd_helpers import monolithic, pd_body
 from pd_procs import assert_at_rest, proc_pair
 
+from bootstrap.client import BootstrapClient, BootstrapClientConfig
+from engine.config import get_model_config
 from engine.ranks.replica import loop_handoff
+from transfer import KVLayout, TransferConfig, create_receiver
 
 IDS = [256, *b"a prompt whose client hangs up while the prefill ranks send it"]
 # far past the test's deadlines: a room that fails on a follower is the abort's doing
@@ -71,14 +76,41 @@ async def until_debug(s: aiohttp.ClientSession, url: str, what: str,
     return doc
 
 
+async def ask_the_leader_only(bport: int, room: int) -> contextlib.AsyncExitStack:
+    """A decode rank (rank 0 of a TP 2 decode, which reads prefill rank 0 alone) that asks for
+    ``room`` and takes its KV; the prefill computes the room once it asked, and the follower
+    then waits in Bootstrapping for a decode rank 1 that never comes."""
+    stack = contextlib.AsyncExitStack()
+    client = BootstrapClient(BootstrapClientConfig())
+    await client.start()
+    stack.push_async_callback(client.close)
+    leader = await client.get_rank_address("127.0.0.1", bport, 0, 0, 0, 0)
+    m = get_model_config("tiny")
+    layout = KVLayout.for_tp(num_layers=m.num_layers, num_heads=m.num_kv_heads,
+                             head_dim=m.head_dim, page_size=16, dtype=m.dtype, tp_size=2)
+    pages = -(-len(IDS) // 16)
+    pool = torch.zeros(m.num_layers, 2, pages, 16, m.num_kv_heads // 2, m.head_dim,
+                       dtype=getattr(torch, m.dtype))
+    receiver = create_receiver("zmq", TransferConfig(), layout, pool)
+    await receiver.start()
+    stack.push_async_callback(receiver.close)
+    await receiver.connect(leader.tcp_endpoint)
+    task = asyncio.create_task(receiver.receive(room, [leader.tcp_endpoint], list(range(pages)),
+                                                num_requesters=1))
+    stack.push_async_callback(asyncio.gather, task, return_exceptions=True)
+    return stack
+
+
 @pytest.mark.timeout(180)
 async def test_a_hang_up_aborts_the_room_on_every_prefill_rank() -> None:
     want = monolithic([IDS], [6])[0]
     with proc_pair(*PATIENT, prefill_extra=("--tp", "2")) as (prefill, decode):
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession() as s, contextlib.AsyncExitStack() as stack:
             body = {**pd_body(IDS, 6, prefill.bport), "rid": "abandoned"}
-            # no decode ever asks for this room: every rank's send waits in Bootstrapping
             pre = asyncio.create_task(s.post(prefill.url + "/generate", json=body))
+            # only the leader's decode rank asks: the follower's send waits in Bootstrapping
+            stack.push_async_callback(
+                (await ask_the_leader_only(prefill.bport, body["bootstrap_room"])).aclose)
             await until_debug(s, prefill.url, "both ranks told to send",
                               lambda d: d["sending"] == 1)
             pre.cancel()  # the router's client hung up: the connection closes
