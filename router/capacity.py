@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from router.errors import Overloaded
+from router.errors import Overloaded, RouterError
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +103,11 @@ def request_need(body: dict[str, Any], prompts: Sequence[Sequence[int]]) -> Need
     return Need(tuple(len(p) for p in prompts), new)
 
 
-class NoRoom(Exception):
-    """Every available worker of ``role`` is at its bound (the request waits)."""
+class NoRoom(RouterError):
+    """Every available worker of ``role`` is at its bound (the request waits; a 503 only if
+    it ever escaped the queue)."""
+
+    status = 503
 
     def __init__(self, role: str) -> None:
         super().__init__(f"every available {role} worker is at the capacity it states")
