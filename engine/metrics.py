@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.runner import AsyncEngine
+from index.follow import skipped_totals
 
 PREFIX = "kvatlas_engine"
 
@@ -55,6 +56,14 @@ class EngineCollector(Collector):
         yield gauge("kv_pages_total", "KV pool capacity in pages", sched.pool.num_pages)
         yield gauge("queue_length", "Requests waiting for admission", len(sched.waiting))
         yield gauge("running_requests", "Requests admitted and not finished", len(sched.running))
+        # The process's etcd watchers (a decode's prefill-restart watch, a prefill's bootstrap
+        # mirror) skip malformed keys and values rather than stop: this says how many, and why.
+        skipped = CounterMetricFamily(f"{PREFIX}_etcd_values_skipped",
+                                      "etcd keys and values skipped as malformed by this "
+                                      "process's watchers", labels=["prefix_kind", "reason"])
+        for (kind, reason), n in sorted(skipped_totals().items()):
+            skipped.add_metric([kind, reason], n)
+        yield skipped
 
 
 def make_registry(engine: AsyncEngine, model_name: str) -> CollectorRegistry:
