@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from etcd_instances import wait_for
+from waiting import wait_until
 
 from index.errors import EtcdUnavailable
 from index.etcd import EtcdClient, EtcdSettings, KeyValue, WatchBatch
@@ -24,7 +24,7 @@ def ids(workers: dict[str, list[dict[str, Any]]], role: str) -> set[str]:
     return {w["instance_id"] for w in workers[role] if w["ready"]}
 
 
-async def test_join_and_leave_within_a_second(start_router: Any, etcd: Any, layout: Any,
+async def test_join_and_leave_follow_the_instance_keys(start_router: Any, etcd: Any, layout: Any,
                                               etcd_settings: Any, key_prefix: str,
                                               stubs: Any, register: Any) -> None:
     (p,), (d,) = await stubs("prefill"), await stubs("decode")
@@ -39,9 +39,8 @@ async def test_join_and_leave_within_a_second(start_router: Any, etcd: Any, layo
                                "bootstrap_host": "10.1.2.3", "bootstrap_port": 8998,
                                "ready": True})
     await register("d0", {"role": "decode", "url": d.url, "model": "tiny"})
-    joined = await wait_for(lambda: listed("prefill", "p0"))
-    await wait_for(lambda: listed("decode", "d0"))
-    assert joined < 1.5
+    await wait_until(lambda: listed("prefill", "p0"), what="p0 is listed as a ready prefill")
+    await wait_until(lambda: listed("decode", "d0"), what="d0 is listed as a ready decode")
     assert (await client.get("/readiness")).status == 200
     resp = await client.post("/generate", json={"text": "hello"})
     assert resp.status == 200
@@ -49,15 +48,16 @@ async def test_join_and_leave_within_a_second(start_router: Any, etcd: Any, layo
 
     # Not ready (ranks still registering): listed but never chosen.
     await pi.update(ready=False)
-    await wait_for(lambda: listed("prefill", "p0", present=False))
+    await wait_until(lambda: listed("prefill", "p0", present=False),
+                     what="p0, no longer ready, is not listed as ready")
     resp = await client.post("/generate", json={"text": "hello"})
     assert resp.status == 503 and "not ready" in (await resp.json())["error"]
     await pi.update(ready=True)
-    await wait_for(lambda: listed("prefill", "p0"))
+    await wait_until(lambda: listed("prefill", "p0"), what="p0 is ready again")
 
     await pi.stop(revoke=True)  # the instance dies: its lease and keys go
-    left = await wait_for(lambda: listed("prefill", "p0", present=False))
-    assert left < 1.5
+    await wait_until(lambda: listed("prefill", "p0", present=False),
+                     what="p0 leaves the list once its lease is revoked")
     ready = await client.get("/readiness")
     assert ready.status == 503 and "no prefill" in (await ready.json())["prefill"]["reason"]
 
@@ -73,7 +73,7 @@ async def test_a_worker_that_moves_is_reached_at_its_new_url_only(
     async def ready() -> bool:
         return (await client.get("/readiness")).status == 200
 
-    await wait_for(ready)
+    await wait_until(ready, what="the router is ready")
     assert (await client.post("/generate", json={"text": "one"})).status == 200
     pools = client.app.upstreams.pools
     assert p_old.url in pools
@@ -85,7 +85,7 @@ async def test_a_worker_that_moves_is_reached_at_its_new_url_only(
     async def moved() -> bool:
         return p_old.url not in pools
 
-    await wait_for(moved)
+    await wait_until(moved, what="the pool at the old URL is gone")
     assert old_pool.closed
     assert (await client.post("/generate", json={"text": "two"})).status == 200
     assert len(p_old.bodies) == 1 and len(p_new.bodies) == 1
@@ -105,18 +105,24 @@ async def test_records_ignored_when_unusable(start_router: Any, etcd: Any, layou
                                              % p.url).encode())
     client = await router(start_router, etcd_settings, key_prefix, model="tiny")
 
-    async def only_good() -> bool:
-        workers = await (await client.get("/workers")).json()
-        return ids(workers, "prefill") == {"good"}
+    async def workers() -> dict[str, list[dict[str, Any]]]:
+        return await (await client.get("/workers")).json()
 
-    await wait_for(only_good)
+    async def only_good() -> bool:
+        return ids(await workers(), "prefill") == {"good"}
+
+    await wait_until(only_good, what="only the usable record is a prefill worker",
+                     detail=lambda: client.app.state.discovery.stats())
+    listed = (await workers())["prefill"]
+    assert [(w["instance_id"], w["url"]) for w in listed] == [("good", p.url)]
     # A record rewritten without its url leaves the pool.
     await etcd.put(layout.instance("good"), b'{"role": "prefill", "model": "tiny"}')
 
     async def empty() -> bool:
-        return not (await (await client.get("/workers")).json())["prefill"]
+        return not (await workers())["prefill"]
 
-    await wait_for(empty)
+    await wait_until(empty, what="the record without a url leaves the prefill pool")
+    assert (await workers())["prefill"] == []
 
 
 async def test_etcd_record_shadows_static_worker_with_same_url(
@@ -131,7 +137,7 @@ async def test_etcd_record_shadows_static_worker_with_same_url(
         workers = await (await client.get("/workers")).json()
         return ids(workers, "prefill") >= {"p-real"}
 
-    await wait_for(shadowed)
+    await wait_until(shadowed, what="the etcd record p-real is a prefill worker")
     # One URL, one candidate: the etcd id (the one the block index uses) is chosen.
     body = await (await client.post("/debug/route", json={"text": "x" * 64})).json()
     assert [c["instance_id"] for c in body["candidates"]] == ["p-real"]
@@ -142,7 +148,7 @@ async def test_etcd_record_shadows_static_worker_with_same_url(
         body = await (await client.post("/debug/route", json={"text": "x" * 64})).json()
         return body.get("prefill", {}).get("instance_id", "").startswith("static-")
 
-    await wait_for(static_back)
+    await wait_until(static_back, what="the static worker is chosen again once p-real is gone")
 
 
 async def test_static_workers_serve_while_etcd_is_unreachable(start_router: Any,
@@ -166,9 +172,6 @@ async def test_static_workers_serve_while_etcd_is_unreachable(start_router: Any,
 async def test_quorum_loss_degrades_discovery_and_keeps_pools(etcd_cluster3: Any) -> None:
     """A leaderless member keeps the watch open (and answers progress requests): the quorum
     probe turns discovery "degraded" within seconds; pools stay as last known; it syncs back."""
-    import asyncio
-    import time
-
     from index.etcd import EtcdClient, EtcdSettings
     from index.keys import KeyLayout, dumps
     from router.discovery import InstanceDiscovery
@@ -185,24 +188,24 @@ async def test_quorum_loss_degrades_discovery_and_keeps_pools(etcd_cluster3: Any
                                  stale_after=1.5)
         task = asyncio.create_task(disc.run())
 
-        async def until(state: str, timeout: float) -> float:
-            t0 = time.monotonic()
-            while disc.state != state:
-                assert time.monotonic() - t0 < timeout, f"discovery never {state}: {disc.stats()}"
-                await asyncio.sleep(0.05)
-            return time.monotonic() - t0
-
         try:
             assert await disc.wait_synced(10)
-            await asyncio.sleep(3.0)  # healthy etcd: stays synced (progress + probes)
-            assert disc.state == "synced" and pools.get(PREFILL, "p0") is not None
+            # A window where something must NOT happen: with etcd healthy, progress notifications
+            # and probes keep it "synced" for several stale_after periods.
+            quiet_until = asyncio.get_running_loop().time() + 3.0
+            while asyncio.get_running_loop().time() < quiet_until:
+                assert disc.state == "synced", f"left synced with etcd healthy: {disc.stats()}"
+                await asyncio.sleep(0.05)
+            assert pools.get(PREFILL, "p0") is not None
             for member in etcd_cluster3.members[1:]:
                 member.kill()
-            assert await until("degraded", 10.0) < 10.0
+            await wait_until(lambda: disc.state == "degraded",
+                             what="discovery reads degraded after losing quorum", detail=disc.stats)
             assert pools.get(PREFILL, "p0") is not None, "pools kept as last known"
             for member in etcd_cluster3.members[1:]:
                 member.start()
-            await until("synced", 30.0)
+            await wait_until(lambda: disc.state == "synced",
+                             what="discovery syncs back once quorum returns", detail=disc.stats)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -254,14 +257,13 @@ async def test_a_watch_that_only_opens_reads_degraded_and_is_no_reload_storm(
     loop = asyncio.get_running_loop()
     try:
         assert await disc.wait_synced(10)
-        deadline = loop.time() + 10
-        while disc.state != "synced":
-            assert loop.time() < deadline, f"never synced: {disc.stats()}"
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: disc.state == "synced", what="discovery reads synced",
+                         detail=disc.stats)
         client.flapping = True
         snapshots = client.snapshots
         await etcd.put(layout.instance("p1"), record(10))
         degraded = False
+        # An observation window, not a wait: across it no break may read "synced" again.
         until = loop.time() + 2.5
         while loop.time() < until:
             state = disc.state
@@ -276,10 +278,9 @@ async def test_a_watch_that_only_opens_reads_degraded_and_is_no_reload_storm(
         assert pools.get(PREFILL, "p0") is not None, "pools kept as last known"
 
         client.flapping = False  # the stream delivers again: it resumes and catches up
-        deadline = loop.time() + 15
-        while disc.state != "synced" or pools.get(PREFILL, "p1") is None:
-            assert loop.time() < deadline, f"never caught up: {disc.stats()}"
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: disc.state == "synced" and pools.get(PREFILL, "p1") is not None,
+                         what="discovery resumed, synced and caught up with p1",
+                         detail=disc.stats)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -302,7 +303,7 @@ async def test_malformed_and_newer_records_are_skipped_and_counted(
         workers = await (await client.get("/workers")).json()
         return ids(workers, "prefill") == {"good"}
 
-    await wait_for(only_good)
+    await wait_until(only_good, what="only the good record is a prefill worker")
     discovery = client.app.state.discovery
     assert discovery.stats()["records_refused"] == {"malformed": 1, "newer_version": 1}
     # Rewritten (a watch event each): counted again, the good one still used.
@@ -311,5 +312,6 @@ async def test_malformed_and_newer_records_are_skipped_and_counted(
     async def counted() -> bool:
         return discovery.stats()["records_refused"]["newer_version"] == 2
 
-    await wait_for(counted)
+    await wait_until(counted, what="the rewritten newer record is counted again",
+                     detail=discovery.stats)
     assert await only_good()
