@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pytest
 from agent_helpers import eventually
 from etcd_fakes import CutWatchClient, HeldWatchClient
+from waiting import wait_until
 
 from engine.pd.restarts import PrefillRestarts
 from index.errors import EtcdError
@@ -178,16 +179,18 @@ async def _saw(user: User, want: dict[int, int], what: str) -> None:
 
 async def _put_retrying(client: EtcdClient, key: bytes, value: bytes) -> None:
     """A put from a client whose channel may still be reconnecting to a restarted etcd."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DEADLINE
-    while True:
+    failures: list[EtcdError] = []
+
+    async def put() -> bool:
         try:
             await client.put(key, value)
-            return
-        except EtcdError:
-            if loop.time() > deadline:
-                raise
-            await asyncio.sleep(0.1)
+        except EtcdError as exc:
+            failures.append(exc)
+            return False
+        return True
+
+    await wait_until(put, what=f"the restarted etcd takes a put of {key!r}", timeout=DEADLINE,
+                     interval=0.1, detail=lambda: failures[-1:])
 
 
 async def test_etcd_restarted(user_type: UserFactory, own_etcd: EtcdCluster) -> None:

@@ -4,10 +4,9 @@ with the last known blocks still served; True again after the members return."""
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 import pytest
+from waiting import wait_until
 
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout
@@ -18,15 +17,6 @@ from kvatlas.etcd_proc import EtcdCluster
 pytestmark = pytest.mark.timeout(90)
 MODEL = "org/model-c"
 CONFIG = BlockMirrorConfig(progress_every=0.2, stale_after=1.5)
-
-
-async def _until(pred: Callable[[], bool], timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"{what} not within {timeout} s")
-        await asyncio.sleep(0.05)
-    return time.monotonic() - t0
 
 
 async def test_quorum_loss_clears_connected_and_recovery_sets_it(
@@ -40,20 +30,30 @@ async def test_quorum_loss_clears_connected_and_recovery_sets_it(
         mirror.start()
         try:
             assert await mirror.wait_ready(10)
-            await _until(lambda: mirror.connected, 5, "connected after the load")
-            # Stays connected while etcd is healthy (progress responses and probes keep it so).
-            await asyncio.sleep(CONFIG.stale_after * 2)
-            assert mirror.connected and mirror.blocks("inst-a") == {0xab}
+            await wait_until(lambda: mirror.connected, what="the mirror is connected after the load",
+                             detail=mirror.stats)
+            # A window where something must NOT happen: while etcd is healthy, progress responses
+            # and probes keep it connected for two stale_after periods.
+            loop = asyncio.get_running_loop()
+            quiet_until = loop.time() + CONFIG.stale_after * 2
+            while loop.time() < quiet_until:
+                assert mirror.connected, f"disconnected with etcd healthy: {mirror.stats()}"
+                await asyncio.sleep(0.05)
+            assert mirror.blocks("inst-a") == {0xab}
 
             for member in etcd_cluster3.members[1:]:
                 member.kill()
-            await _until(lambda: not mirror.connected, 10, "disconnected after quorum loss")
+            await wait_until(lambda: not mirror.connected,
+                             what="the mirror reads disconnected after quorum loss",
+                             detail=mirror.stats)
             assert mirror.stats()["connected"] is False
             assert mirror.blocks("inst-a") == {0xab}, "the last known index is still served"
 
             for member in etcd_cluster3.members[1:]:
                 member.start()
-            await _until(lambda: mirror.connected, 30, "connected after the members return")
+            await wait_until(lambda: mirror.connected,
+                             what="the mirror is connected again after the members return",
+                             detail=mirror.stats)
             rev = await client.put(layout.segment(MODEL, "inst-a", 0xcd),
                                    encode(0.0, None, [0xcd], ["GPU"]))
             assert await mirror.wait_revision(rev, 10)

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
-from agent_helpers import wait_until
+from waiting import wait_until
 
 from index.errors import EtcdRequestError
 from index.etcd import Delete, EtcdClient, EtcdSettings, Put, WatchBatch, WatchEvent
@@ -183,9 +183,12 @@ async def test_huge_lease_expiry_arrives_as_one_reassembled_batch(etcd: EtcdClie
     mirror.start()
     rev0, _ = await etcd.get_prefix(layout.blocks_prefix("m"), keys_only=True)
     batches: list[WatchBatch] = []
+    created = asyncio.Event()
 
     async def watch() -> None:
         async for batch in etcd.watch_prefix(layout.blocks_prefix("m"), rev0 + 1, fragment=True):
+            if batch.created:
+                created.set()
             if batch.events:
                 batches.append(batch)
                 if sum(len(b.events) for b in batches) >= n:
@@ -194,7 +197,7 @@ async def test_huge_lease_expiry_arrives_as_one_reassembled_batch(etcd: EtcdClie
     try:
         assert await mirror.wait_ready(10) and len(mirror.blocks(inst)) == n
         watcher = asyncio.create_task(watch())
-        await asyncio.sleep(0.2)  # the watch is created
+        await wait_until(created.is_set, what="etcd answered that the watch is created")
         await etcd.revoke(lease)
         await asyncio.wait_for(watcher, 20)
         assert len(batches) == 1 and len(batches[0].events) == n
