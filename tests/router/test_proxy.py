@@ -9,6 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 from router_stubs import router_config
+from waiting import wait_until
 
 from router.app import create_app
 from router.rooms import MAX_ROOM
@@ -233,7 +234,9 @@ class _SplitDecode:
                 writer.write(b"HTTP/1.1 %d Refused\r\ncontent-type: application/json\r\n"
                              b"content-length: %d\r\n\r\n" % (self.status, len(self.body)))
                 await writer.drain()
-                await asyncio.sleep(0.1)  # the router has read the head alone by now
+                # A slow peer on purpose (what this stub is for): the body comes apart from
+                # the head, so the router reads them in two reads.
+                await asyncio.sleep(0.1)
                 writer.write(self.body)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -328,9 +331,16 @@ async def test_loads_return_to_zero_after_concurrent_mixed_traffic(stubs: Any,
 
     statuses = await asyncio.gather(*(one(i) for i in range(30)))
     assert statuses.count(200) == 30
-    await asyncio.sleep(0.1)  # background prefill answers of streamed requests
-    workers = await (await client.get("/workers")).json()
-    assert [w["load"] for role in ("prefill", "decode") for w in workers[role]] == [0, 0, 0, 0]
+
+    last: list[list[int]] = []
+
+    async def idle() -> bool:
+        workers = await (await client.get("/workers")).json()
+        last[:] = [[w["load"] for role in ("prefill", "decode") for w in workers[role]]]
+        return last[0] == [0, 0, 0, 0]
+
+    # Streamed requests' prefill answers are read in the background after the client is done.
+    await wait_until(idle, what="every worker's load is back to 0", detail=lambda: last)
 
 
 async def test_metrics_on_a_separate_port_as_sglang_router_serves_them(
