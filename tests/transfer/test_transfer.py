@@ -307,14 +307,15 @@ async def test_decode_abort_before_the_prefill_saw_the_room(rig: Rig) -> None:
     lay = layout()
     s, r = await rig.sender(lay, pool(lay, 4, 1)), await rig.receiver(lay, pool(lay, 4, None))
     rx = asyncio.create_task(r.receive(80, [s.endpoint], [0]))
-    for _ in range(100):  # until the request waits at the prefill
-        if r.poll(80) is TransferState.WAITING_FOR_INPUT:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: r.poll(80) is TransferState.WAITING_FOR_INPUT,
+                     what="room 80 waits for its input at the prefill", detail=lambda: r.poll(80))
     r.abort(80, "client disconnected")
     with pytest.raises(TransferError):
         await rx
-    await asyncio.sleep(0.1)
+    # The prefill rank keeps the abort of a room it has not seen (its early table; no public
+    # view of it): the late create below must find it there.
+    await wait_until(lambda: 80 in s._early._aborts,  # type: ignore[attr-defined]
+                     what="the prefill rank holds the decode's abort of room 80")
     s.create(80)  # the prefill's copy of the request arrives late
     assert s.poll(80) is TransferState.FAILED
     with pytest.raises(TransferError, match="aborted by the decode: client disconnected"):
