@@ -18,7 +18,7 @@ from index.claim import connect_and_claim
 from index.errors import MalformedValue
 from index.etcd import EtcdClient
 from index.framing import finite_number, strict_int
-from index.keys import dumps, loads
+from index.keys import KeyLayout, dumps, loads
 from index.lease import LeaseSession, cancel_and_wait
 from index.lifecycle import undo_on_failure
 from index.owned import LeasedKeys
@@ -66,6 +66,21 @@ def parse_rank_value(raw: bytes, cell: Cell, key: bytes | str = "") -> RankEntry
     if any(v is not None for v in named) and named != tuple(cell):
         raise MalformedRank(f"cell {named} disagrees with its key's {tuple(cell)}", key)
     return RankEntry(ip, port, float(at), attn, system)
+
+
+def readable_ranks(layout: KeyLayout, kvs: list[Any]) -> list[dict[str, Any]]:
+    """The rank entries of ``kvs`` (one instance's rank keys) that read as ``rank_value``
+    writes them, each with its cell under ``key``; a malformed key or value is left out, as
+    the decodes that resolve ranks leave it out."""
+    out = []
+    for kv in kvs:
+        try:
+            _, cell = layout.parse_rank(kv.key)
+            parse_rank_value(kv.value, cell, kv.key)
+        except MalformedValue:
+            continue
+        out.append({**loads(kv.value), "key": cell})
+    return out
 
 
 class RankMirror:

@@ -13,10 +13,10 @@ from aiohttp import web
 
 from bootstrap.config import BootstrapConfig
 from bootstrap.http_limits import make_runner
+from bootstrap.mirror import readable_ranks
 from bootstrap.server import create_app
 from index.errors import RecordError
 from index.etcd import EtcdClient
-from index.keys import loads
 from index.record import InstanceRecord
 from kvatlas.cli import CLIError
 from kvatlas.commands._common import add_etcd_args, etcd_settings, key_layout, stop_on_signals
@@ -86,10 +86,9 @@ async def _fetch_instance(args: argparse.Namespace) -> tuple[dict[str, Any], lis
                            f"{settings.display} under {layout.prefix} "
                            "(`kvatlas instances` lists the live ones)")
         _, kvs = await client.get_prefix(layout.ranks_prefix(args.instance_id))
-    ranks = []
-    for rkv in kvs:
-        _, (dp, cp, tp, pp) = layout.parse_rank(rkv.key)
-        ranks.append({**loads(rkv.value), "dp": dp, "cp": cp, "tp": tp, "pp": pp})
+    ranks = [{**{k: v for k, v in r.items() if k != "key"},
+              **dict(zip(("dp", "cp", "tp", "pp"), r["key"], strict=True))}
+             for r in readable_ranks(layout, kvs)]
     ranks.sort(key=lambda r: (r["dp"], r["cp"], r["tp"], r["pp"]))
     try:
         record = InstanceRecord.from_json(kv.value, key=kv.key, instance_id=args.instance_id)

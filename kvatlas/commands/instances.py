@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from index.errors import RecordError
+from index.errors import MalformedKey, RecordError
 from index.etcd import EtcdClient
 from index.record import InstanceRecord
 from kvatlas.commands._common import key_layout
@@ -47,7 +47,12 @@ async def fetch_instances(args: argparse.Namespace) -> list[dict[str, Any]]:
         _, kvs = await client.get_prefix(layout.instances_prefix())
     out: list[dict[str, Any]] = []
     for kv in kvs:
-        iid = layout.parse_instance(kv.key)
+        try:
+            iid = layout.parse_instance(kv.key)
+        except MalformedKey as exc:
+            # Listed under the key as etcd holds it: an operator sees what nothing reads.
+            out.append({"instance_id": exc.key, "refused": exc.reason, "error": exc.detail})
+            continue
         try:
             value = InstanceRecord.from_json(kv.value, key=kv.key, instance_id=iid).to_dict()
         except RecordError as exc:

@@ -20,8 +20,9 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from bootstrap.mirror import readable_ranks
 from index.agent_stats import parse_stats_key, stats_prefix
-from index.errors import EtcdError
+from index.errors import EtcdError, MalformedValue
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, loads
 from index.record import DEFAULT_ENGINE, RecordReader
@@ -87,14 +88,16 @@ class Doctor:
                 status = await client.status()
                 _, kvs = await client.get_prefix(self.layout.instances_prefix())
                 for kv in kvs:
-                    iid = self.layout.parse_instance(kv.key)
+                    try:
+                        iid = self.layout.parse_instance(kv.key)
+                    except MalformedValue:
+                        continue  # not a key kvatlas writes: routers skip it too
                     rec = self.records.read(kv.key, kv.value, instance_id=iid)
                     if rec is None:
                         continue  # counted by reason; the registration link names them
                     self.instances[iid] = rec.to_dict()
                     _, rkvs = await client.get_prefix(self.layout.ranks_prefix(iid))
-                    self.ranks[iid] = [
-                        {**loads(r.value), "key": self.layout.parse_rank(r.key)[1]} for r in rkvs]
+                    self.ranks[iid] = readable_ranks(self.layout, rkvs)
         except (EtcdError, OSError) as exc:
             return self._add("etcd reachable", False, f"{self.etcd.display}: {exc}",
                              "is etcd running (`kvatlas cluster status`)? are --etcd and the "
