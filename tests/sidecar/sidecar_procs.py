@@ -12,10 +12,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from waiting import wait_until_sync
 
 from kvatlas.etcd_proc import free_port, free_ports
 
@@ -57,15 +58,14 @@ class Spawned:
         return self.proc.poll() is None
 
     def wait_http(self, url: str, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def up() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n"
                                      f"{self.output()}")
-            if get_status(url) == 200:
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"{self.name}: {url} not 200 within {timeout} s:\n{self.output()}")
+            return get_status(url) == 200
+
+        wait_until_sync(up, what=f"{self.name} answers 200 at {url}", timeout=timeout,
+                        interval=0.2, detail=self.output)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc.poll() is None:
