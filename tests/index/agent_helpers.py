@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
+import waiting
 
 from index.events.publisher import KVEventPublisher
 from index.events.types import KVEvent, KVEventBatch
@@ -34,16 +35,8 @@ def tcp() -> str:
 
 async def eventually(cond: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0,
                      what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        res = cond()
-        if not isinstance(res, bool):
-            res = await res
-        if res:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what or cond}")
-        await asyncio.sleep(0.02)
+    """``waiting.wait_until`` with the positional timeout its many callers pass."""
+    await waiting.wait_until(cond, what=what or str(cond), timeout=timeout)
 
 
 async def publish_all(pub: KVEventPublisher, batches: list[list[KVEvent]],
@@ -88,9 +81,5 @@ async def run_cli(*args: str, timeout: float = 30.0, stdin: bytes | None = None,
 
 async def wait_until(cond: Callable[[], object], timeout: float = 10.0,
                      what: str = "condition") -> None:
-    """Poll ``cond`` every 20 ms until it is true; AssertionError naming ``what`` on timeout."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+    """``waiting.wait_until`` with the positional timeout its callers pass."""
+    await waiting.wait_until(cond, what=what, timeout=timeout)

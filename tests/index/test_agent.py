@@ -9,6 +9,7 @@ import pytest
 import zmq
 from agent_helpers import closers, eventually, publish_all, run_cli, tcp  # noqa: F401
 from kv_sim import SimEngine
+from waiting import wait_until
 
 from index.agent import AgentConfig, AgentError, IndexAgent, WriterIndex
 from index.agent_stats import stats_key
@@ -100,15 +101,15 @@ async def test_agent_indexes_vllm_and_sglang_engines_into_etcd(
     # Idle counters are not rewritten (the interval is 0.1 s): once the writer has settled (its
     # state and lag may still change for a moment on a loaded machine), a quiet 0.4 s window
     # (four intervals) must pass without a single publish or etcd write.
-    deadline = asyncio.get_running_loop().time() + 10
-    while True:
+    async def a_quiet_window() -> bool:
         before = sgl.publisher.publishes
         rev = (await etcd.get(stats_key(layout, "sgl-0"))).mod_revision  # type: ignore[union-attr]
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(0.4)  # the window in which nothing may be written: the thing tested
         after = (await etcd.get(stats_key(layout, "sgl-0"))).mod_revision  # type: ignore[union-attr]
-        if sgl.publisher.publishes == before and after == rev:
-            break
-        assert asyncio.get_running_loop().time() < deadline, "idle stats kept being rewritten"
+        return sgl.publisher.publishes == before and after == rev
+
+    await wait_until(a_quiet_window, timeout=10,
+                     what="a 0.4 s window passes without a stats publish or etcd write")
 
     # The CLI, a separate process reading etcd, finds the same prefixes.
     tokens_file = tmp_path / "prompt.json"

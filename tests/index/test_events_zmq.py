@@ -120,8 +120,9 @@ async def test_publisher_connections_are_watched_so_nothing_is_published_into_th
     assert await sub.wait_publisher(10)
     assert sub.publishers == 1 and sub.connections == 1
     batches = workload(1)
-    # The subscription follows the handshake by a loopback hop; what makes an instance
-    # routable (an etcd write, a router's watch, a request) takes far longer than this.
+    # The subscription follows the handshake by a loopback hop that a PUB socket does not report
+    # (no state to wait on): this slack is the contract wait_publisher documents. What makes an
+    # instance routable (an etcd write, a router's watch, a request) takes far longer.
     await asyncio.sleep(0.2)
     pub.drain(list(batches[0]))
     await eventually(lambda: sub.ingestor.stats.last_seq == 0, what="seq 0, never replayed")

@@ -1,12 +1,13 @@
 """Registers instance keys in real etcd under a lease, the way bootstrap/mirror.py does; and a
-polling helper for tests that wait on what the router sees."""
+polling helper for tests that wait on what the router sees (``waiting.wait_until``)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 from typing import Any
+
+import waiting
 
 from index.etcd import EtcdClient
 from index.keys import KeyLayout, dumps
@@ -47,10 +48,9 @@ class Instance:
             await self.session.revoke()
 
 
-async def wait_for(cond: Callable[[], Any], timeout: float = 5.0) -> float:
-    t0 = time.monotonic()
-    while True:
-        if await cond():
-            return time.monotonic() - t0
-        assert time.monotonic() - t0 < timeout, "condition not met in time"
-        await asyncio.sleep(0.01)
+async def wait_for(cond: Callable[[], Any], timeout: float = waiting.TIMEOUT_S, *,
+                   what: str | None = None) -> None:
+    """``waiting.wait_until`` for an async ``cond``, as the router tests call it (a positional
+    timeout, a safety net only); ``what`` defaults to the predicate's name."""
+    await waiting.wait_until(cond, what=what or getattr(cond, "__qualname__", repr(cond)),
+                             timeout=timeout, interval=0.01)
