@@ -2,7 +2,7 @@
 flagged stale, bootstrap keeps serving; members back -> the index converges."""
 from __future__ import annotations
 
-import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -64,12 +64,12 @@ async def test_member_loss_quorum_loss_and_recovery(
     state = cluster.state
     router = state.router["url"]
     traffic = Traffic(router, rate=6.0).start()
-    await asyncio.sleep(2.0)
+    await traffic.until_answered(12, "before any fault")
     holder = (await route(router, SYSTEM + "Q?"))["prefill"]["instance_id"]
 
     # One member down: quorum holds, no request fails.
     cluster.kill("etcd2")
-    await asyncio.sleep(4.0)
+    await traffic.until_answered(24, "with one etcd member down", since=time.monotonic())
     one_down = await traffic.stop()
     assert len(one_down) >= 20 and not [o for o in one_down if o.status != 200], \
         [(o.status, o.error) for o in one_down if o.status != 200][:3]
@@ -78,10 +78,12 @@ async def test_member_loss_quorum_loss_and_recovery(
     # Two down: no quorum. Routing continues on the last known index; bootstrap keeps serving.
     traffic = Traffic(router, rate=6.0).start()
     cluster.kill("etcd1")
-    await wait_for(lambda: _flagged_stale(router), 15.0, interval=0.25)
+    await wait_for(lambda: _flagged_stale(router), 15.0, interval=0.25,
+                   what="the router reads its index as stale without quorum")
     decision = await route(router, SYSTEM + "Q again?")
     assert _stale_and_by_holder(decision), f"stale, routing on the last known index: {decision}"
-    await asyncio.sleep(2.0)  # traffic through the outage
+    await traffic.until_answered(12, "through the quorum outage", since=time.monotonic())
+    await traffic.until_answered(20, "since quorum was lost")
     boot = state.process(holder).ports["bootstrap"]
     status, topo = await get_json(f"http://127.0.0.1:{boot}{TOPOLOGY}")
     assert status == 200 and topo["dp_size"] == 1, "bootstrap keeps serving without etcd"
@@ -99,7 +101,7 @@ async def test_member_loss_quorum_loss_and_recovery(
         keys = await etcd_keys(state, holder)
         return ready.get("index", {}).get("state") == "live" and keys["blocks"] > 0
 
-    await wait_for(converged, 30.0, interval=0.5)
+    await wait_for(converged, 30.0, interval=0.5, what="the cluster converged")
     fresh = SYSTEM + "A question asked after the outage?"
     assert _chose_a_holder(await route(router, fresh)), "the converged index routes by prefix"
     stale, index_state = await _stale_flags(router)
@@ -114,11 +116,13 @@ async def test_quorum_loss_is_flagged_stale(pd_cluster: Callable[..., LocalClust
     async def indexed() -> bool:
         return _chose_a_holder(await route(router, SYSTEM + "Q?"))
 
-    await wait_for(indexed, 15.0, interval=0.2)  # the prefix's blocks reached the router's index
+    await wait_for(indexed, 15.0, interval=0.2,
+                   what="the prefix's blocks reached the router's index")
     holder = (await route(router, SYSTEM + "Q?"))["prefill"]["instance_id"]
     cluster.kill("etcd2")
     cluster.kill("etcd1")
-    await wait_for(lambda: _flagged_stale(router), 15.0, interval=0.25)
+    await wait_for(lambda: _flagged_stale(router), 15.0, interval=0.25,
+                   what="the router reads its index as stale")
     # Stale, yet routing goes on from the last known index: in one decision, to its holder.
     decision = await route(router, SYSTEM + "Still routed?")
     assert _stale_and_by_holder(decision), decision
@@ -131,4 +135,4 @@ async def test_quorum_loss_is_flagged_stale(pd_cluster: Callable[..., LocalClust
     async def live() -> bool:
         return await _stale_flags(router) == (0.0, "live")
 
-    await wait_for(live, 30.0, interval=0.25)
+    await wait_for(live, 30.0, interval=0.25, what="the router's index is live again")

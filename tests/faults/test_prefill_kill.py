@@ -1,7 +1,6 @@
 """A prefill instance SIGKILLed under steady traffic: nothing hangs, nothing is lost silently."""
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 
@@ -29,7 +28,7 @@ async def test_prefill_sigkill_under_traffic(pd_cluster: Callable[..., LocalClus
     state = cluster.state
     router = state.router["url"]
     traffic = Traffic(router, rate=8.0).start()
-    await asyncio.sleep(3.0)
+    await traffic.until_answered(24, "before the kill")
     # The shared prefix sticks to one instance: that is the one to kill.
     victim = (await route(router, SYSTEM + "Question 1?"))["prefill"]["instance_id"]
     before = await etcd_keys(state, victim)
@@ -41,14 +40,15 @@ async def test_prefill_sigkill_under_traffic(pd_cluster: Callable[..., LocalClus
     async def stopped_choosing() -> bool:
         return (await route(router, SYSTEM + "Question 2?"))["prefill"]["instance_id"] != victim
 
-    took = await wait_for(stopped_choosing, LEASE_TTL + HEALTH_INTERVAL + SLACK)
-    await asyncio.sleep(3.0)
+    took = await wait_for(stopped_choosing, LEASE_TTL + HEALTH_INTERVAL + SLACK,
+                          what=f"the router stops choosing the killed {victim}")
+    await traffic.until_answered(24, "after the kill", since=killed_at - 1.0)
     outcomes = await traffic.stop()
 
     async def keys_gone() -> bool:
         return await etcd_keys(state, victim) == {"instance": 0, "ranks": 0, "blocks": 0}
 
-    await wait_for(keys_gone, LEASE_TTL + SLACK)
+    await wait_for(keys_gone, LEASE_TTL + SLACK, what=f"{victim}'s keys are gone from etcd")
     after_kill = [o for o in outcomes if o.started >= killed_at - 1.0]
     assert len(after_kill) >= 20, "traffic kept flowing through the fault"
     hung = [o for o in outcomes if o.status == 0]

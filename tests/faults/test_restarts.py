@@ -55,10 +55,10 @@ async def test_router_restart_rebuilds_from_etcd(pd_cluster: Callable[..., Local
                 and ready["index"]["blocks"] >= blocks)
 
     # Waited for, not timed: how fast it comes back is bench/load.py's router_rebuild_s.
-    await wait_for(rebuilt, 30.0, interval=0.05)
+    await wait_for(rebuilt, 30.0, interval=0.05, what="the restarted router rebuilt its view")
     assert (await route(router, SYSTEM + "next?"))["prefill"]["instance_id"] == expected
     traffic.start()
-    await asyncio.sleep(3.0)
+    await traffic.until_answered(15, "after the router restart")
     outcomes = await traffic.stop()
     assert outcomes and all(o.status == 200 for o in outcomes), \
         [(o.status, o.error) for o in outcomes if o.status != 200][:3]
@@ -93,20 +93,21 @@ async def _restart_victim(cluster: LocalCluster) -> str:
             and now[-1].get("instance_lease") not in (None, old[-1].get("instance_lease"))
 
     # The old keys go with the old lease; the new registration holds only new-lease keys.
-    await wait_for(replaced, LEASE_TTL + 5.0, interval=0.2)
+    await wait_for(replaced, LEASE_TTL + 5.0, interval=0.2, what="the instance is replaced")
 
     async def resynced_empty() -> bool:
         # The restarted instance's cache is empty: its old blocks leave the index.
         return (await etcd_keys(state, victim))["blocks"] == 0
 
-    await wait_for(resynced_empty, LEASE_TTL + 5.0, interval=0.2)
+    await wait_for(resynced_empty, LEASE_TTL + 5.0, interval=0.2,
+                   what="the index resynced to empty")
 
     async def router_sees_it() -> bool:
         _, workers = await get_json(f"{router}/workers")
         return any(w["instance_id"] == victim and w["ready"] and w["healthy"]
                    for w in workers["prefill"])
 
-    await wait_for(router_sees_it, 15.0, interval=0.2)
+    await wait_for(router_sees_it, 15.0, interval=0.2, what="the router sees the instance")
     return victim
 
 
@@ -136,7 +137,7 @@ async def test_prefill_restart_same_id_replaces_keys_and_resyncs(
                     return True
         return False
 
-    await wait_for(events_resynced, 10.0, interval=0.2)
+    await wait_for(events_resynced, 10.0, interval=0.2, what="the KV events resynced")
 
 
 async def test_decode_reconnects_to_a_restarted_prefill(
