@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import msgpack
 import pytest
 import zmq
 import zmq.asyncio
 from kv_sim import SimEngine, own
+from waiting import wait_until
 
 from index.events.codec import END_SEQ, decode_payload, encode_message, encode_payload
 from index.events.endpoints import connectable, offset_endpoint, publisher_binds
@@ -26,14 +27,6 @@ pytestmark = pytest.mark.timeout(60)
 
 def tcp() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
-
-
-async def eventually(cond: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or cond}")
-        await asyncio.sleep(0.01)
 
 
 def workload(n: int) -> list[list[KVEvent]]:
@@ -125,10 +118,10 @@ async def test_publisher_connections_are_watched_so_nothing_is_published_into_th
     # instance routable (an etcd write, a router's watch, a request) takes far longer.
     await asyncio.sleep(0.2)
     pub.drain(list(batches[0]))
-    await eventually(lambda: sub.ingestor.stats.last_seq == 0, what="seq 0, never replayed")
+    await wait_until(lambda: sub.ingestor.stats.last_seq == 0, what="seq 0, never replayed")
     assert sub.ingestor.stats.gaps == 0
     await pub.close()
-    await eventually(lambda: sub.publishers == 0, what="the publisher counted out")
+    await wait_until(lambda: sub.publishers == 0, what="the publisher counted out")
     assert not await sub.wait_publisher(0.1)
 
 
@@ -180,11 +173,11 @@ async def test_mid_stream_gap_is_replayed_from_the_router(cleanup: list) -> None
         pub.drain(list(evs))
     for seq in (0, 1, 2):
         await fwd.send(frames_of(pub, seq))
-    await eventually(lambda: sub.ingestor.stats.last_seq == 2, what="seq 2")
+    await wait_until(lambda: sub.ingestor.stats.last_seq == 2, what="seq 2")
     for seq in (5, 6, 7):  # 3 and 4 lost on the way
         await fwd.send(frames_of(pub, seq))
-    await eventually(lambda: sub.received >= 3 + 3 + 5, what="replay and live tail")
-    await eventually(lambda: sub.ingestor.stats.last_seq == 7, what="seq 7")
+    await wait_until(lambda: sub.received >= 3 + 3 + 5, what="replay and live tail")
+    await wait_until(lambda: sub.ingestor.stats.last_seq == 7, what="seq 7")
     want = await expected_index(batches)
     assert sub.ingestor.index.blocks("p0") == want.blocks("p0")
     st = sub.ingestor.stats
@@ -200,10 +193,10 @@ async def test_gap_without_replay_clears_then_restart_clears(cleanup: list) -> N
         pub.drain(list(evs))
     for seq in (0, 1):
         await fwd.send(frames_of(pub, seq))
-    await eventually(lambda: sub.ingestor.stats.last_seq == 1, what="seq 1")
+    await wait_until(lambda: sub.ingestor.stats.last_seq == 1, what="seq 1")
     assert sub.ingestor.index.blocks("p0")
     await fwd.send(frames_of(pub, 3))
-    await eventually(lambda: sub.ingestor.stats.last_seq == 3, what="seq 3")
+    await wait_until(lambda: sub.ingestor.stats.last_seq == 3, what="seq 3")
     ing = sub.ingestor
     assert ing.state == "resyncing" and ing.stats.gaps == 1 and ing.stats.clears == 1
     assert ing.index.blocks("p0") == set()  # seq 3 continues a chain whose start was cleared
@@ -211,7 +204,7 @@ async def test_gap_without_replay_clears_then_restart_clears(cleanup: list) -> N
     # The engine restarts: its sequence starts over at 0.
     fresh = KVEventBatch(1.0, [SimEngine(BS, salt=b"run2").vllm_store(list(range(2 * BS)))])
     await fwd.send(encode_message(b"", 0, fresh))
-    await eventually(lambda: ing.stats.restarts == 1, what="restart")
+    await wait_until(lambda: ing.stats.restarts == 1, what="restart")
     assert ing.index.lookup(own(list(range(2 * BS)), BS)) == {"p0": 2}
     assert ing.stats.last_seq == 0 and ing.state == "synced"
 
@@ -233,7 +226,7 @@ async def test_malformed_messages_are_counted_and_never_stop_the_reader(cleanup:
     good = msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [1, 2, 3],
                                  "parent_block_hash": None, "token_ids": tokens, "block_size": BS}]])
     await fwd.send([b"kv@pod-a@m1", seq0, good])
-    await eventually(lambda: sub.ingestor.stats.last_seq == 0, what="the good message")
+    await wait_until(lambda: sub.ingestor.stats.last_seq == 0, what="the good message")
     assert sub.ingestor.index.lookup(own(tokens, BS)) == {"p0": 3}
     assert sub.malformed == {"frame_count": 1, "bad_msgpack": 1, "bad_hash": 1, "too_large": 1,
                              "unknown_model": 1}
@@ -259,11 +252,11 @@ async def test_publisher_binds_ipc_and_drains_the_engine_list(cleanup: list, tmp
         assert pending == []
         await asyncio.sleep(0.02)
         assert seq < 500
-    await eventually(lambda: sub.ingestor.stats.last_seq == seq, what="last seq")
+    await wait_until(lambda: sub.ingestor.stats.last_seq == seq, what="last seq")
     assert sub.ingestor.index.lookup(own(tokens, BS)) == {"p0": 4}
     pending.append(AllBlocksCleared())
     cleared = pub.drain(pending)
-    await eventually(lambda: sub.ingestor.stats.last_seq == cleared, what="clear")
+    await wait_until(lambda: sub.ingestor.stats.last_seq == cleared, what="clear")
     assert sub.ingestor.index.instances() == set()
 
 
@@ -332,16 +325,16 @@ async def test_replay_endpoint_without_router_times_out_and_resyncs(cleanup: lis
     eng = SimEngine(BS)
     tokens = list(range(2 * BS))
     await fwd.send(encode_message(b"", 0, KVEventBatch(0.0, [eng.vllm_store(tokens)])))
-    await eventually(lambda: sub.ingestor.stats.last_seq == 0, what="seq 0")
+    await wait_until(lambda: sub.ingestor.stats.last_seq == 0, what="seq 0")
     other = list(range(900, 900 + BS))
     await fwd.send(encode_message(b"", 4, KVEventBatch(0.0, [eng.vllm_store(other)])))
-    await eventually(lambda: sub.ingestor.stats.last_seq == 4, what="seq 4 after the failed replay")
+    await wait_until(lambda: sub.ingestor.stats.last_seq == 4, what="seq 4 after the failed replay")
     ing = sub.ingestor
     assert ing.stats.replays == 1 and ing.stats.replay_failures == 1
     assert ing.state == "resyncing"
     assert ing.index.blocks("p0") == set(own(other, BS))  # cleared, then seq 4 applied
     await fwd.send(encode_message(b"", 5, KVEventBatch(0.0, [AllBlocksCleared()])))
-    await eventually(lambda: ing.state == "synced", what="AllBlocksCleared ends resync")
+    await wait_until(lambda: ing.state == "synced", what="AllBlocksCleared ends resync")
 
 
 async def test_long_replay_is_not_cut_at_the_high_water_mark(cleanup: list) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from etcd_instances import wait_for
 from router_stubs import encode_text
+from waiting import wait_until
 
 from index.etcd import EtcdClient, EtcdSettings
 from index.etcd_index import EtcdBlockIndex
@@ -73,8 +74,9 @@ async def test_routes_on_every_shard_and_flags_the_one_that_is_down(
             and body["index_blocks"] == blocks
         return body if ok else None
 
-    await wait_for(lambda: routed(prompt_a, a, 10), 10)
-    body = await wait_for_value(lambda: routed(prompt_b, b, 10))
+    await wait_until(lambda: routed(prompt_a, a, 10), what="prompt a routed to its holder, shard 0")
+    body = await wait_until(lambda: routed(prompt_b, b, 10),
+                            what="prompt b routed to its holder, shard 1")
     index = body["index"]
     assert index["state"] == "live" and index["stale_shards"] == []
     assert [(s["shard"], s["state"], s["instances"], s["blocks"]) for s in index["shards"]] == [
@@ -88,7 +90,7 @@ async def test_routes_on_every_shard_and_flags_the_one_that_is_down(
         body = await resp.json()
         return body if body["index"].get("stale_shards") == [1] else None
 
-    ready = await wait_for_value(flagged)
+    ready = await wait_until(flagged, what="readiness to flag shard 1 stale")
     # Routing goes on (200), shard 1 is flagged, shard 0 is live.
     assert ready["status"] == "ready" and ready["index"]["state"] == "stale"
     assert [s["state"] for s in ready["index"]["shards"]] == ["live", "stale"]
@@ -101,11 +103,6 @@ async def test_routes_on_every_shard_and_flags_the_one_that_is_down(
     assert await routed(prompt_b, b, 10)
     await indexes[0].add(a, ha[9], ha[10:14])
     await wait_for(lambda: routed(prompt_a, a, 14), 10)
-
-
-async def wait_for_value(check: Any, timeout: float = 10.0) -> Any:
-    await wait_for(check, timeout)
-    return await check()
 
 
 def test_index_etcd_without_etcd_is_refused() -> None:

@@ -2,16 +2,15 @@
 prediction, and the publisher and follower against a real etcd."""
 from __future__ import annotations
 
-import asyncio
 import struct
 import time
-from collections.abc import Callable
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from router_stubs import encode_text
 from test_kv_aware import conversation, make_kv, route, workers
+from waiting import wait_until
 
 from index.etcd import EtcdClient
 from index.framing import pack
@@ -114,13 +113,6 @@ def test_only_predictions_the_index_does_not_already_show_are_shared() -> None:
 
 # --- through a real etcd ------------------------------------------------------------------------
 
-async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "not within the timeout"
-        await asyncio.sleep(0.02)
-
-
 async def test_routers_see_each_others_predictions_through_etcd_and_not_their_own(
         etcd: EtcdClient, layout: KeyLayout) -> None:
     got: dict[str, list[tuple]] = {"a": [], "b": []}
@@ -137,7 +129,8 @@ async def test_routers_see_each_others_predictions_through_etcd_and_not_their_ow
         hashes = tuple(range(2**63, 2**63 + 30))
         pubs["a"].offer("p0", "tiny", hashes)
         pubs["a"].offer("p1", None, hashes[:3])
-        await until(lambda: len(got["b"]) == 2)
+        await wait_until(lambda: len(got["b"]) == 2, what="router b to hear a's 2 predictions",
+                         detail=lambda: got)
         assert got["b"] == [("p0", "tiny", hashes), ("p1", None, hashes[:3])]
         assert stats["a"].flushes == 1 and stats["a"].shared == 2 and stats["a"].bytes > 240
         # The ring wraps: etcd holds SLOTS keys of router a. (Flushed faster than etcd takes
@@ -146,7 +139,8 @@ async def test_routers_see_each_others_predictions_through_etcd_and_not_their_ow
             pubs["a"].flush([("p0", None, (i,))])
         await pubs["a"].keys.wait_synced(5)
         final = set(range(5, SLOTS + 5))  # what each slot holds last
-        await until(lambda: {h[0] for _, _, h in got["b"][2:]} >= final)
+        await wait_until(lambda: {h[0] for _, _, h in got["b"][2:]} >= final,
+                         what="router b to hear a's final predictions", detail=lambda: got)
         _, kvs = await etcd.get_prefix(layout.predictions_prefix("router-a"))
         assert len(kvs) == SLOTS
         assert got["a"] == []  # its own come back through the watch and are skipped
