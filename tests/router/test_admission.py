@@ -315,7 +315,7 @@ def test_the_record_carries_what_an_engine_holds() -> None:
 
 async def test_a_queue_that_would_not_drain_in_time_is_429_at_once() -> None:
     now = [100.0]
-    cap = Capacity(True, queue_size=1000, queue_timeout=10.0, clock=lambda: now[0])
+    cap = Capacity(True, queue_size=1000, queue_timeout=20.0, clock=lambda: now[0])
 
     def no_room() -> None:
         raise NoRoom("decode")
@@ -323,11 +323,12 @@ async def test_a_queue_that_would_not_drain_in_time_is_429_at_once() -> None:
     for _ in range(5):  # 5 requests finished just now: about 1 a second (RATE_WINDOW 5 s)
         cap.give(None, 0, finished=True)
     waiting = [asyncio.create_task(cap.admit(no_room)) for _ in range(10)]
+    # 10 s at 1 a second: within half the 20 s timeout, so they queue
     await eventually(lambda: cap.queued == 10, "10 requests queued (10 s at 1 a second)")
     with pytest.raises(Overloaded) as info:
-        await cap.admit(no_room)  # the 11th would wait ~11 s, past the 10 s timeout
-    assert info.value.status == 429 and info.value.retry_after == 10
-    assert "--worker-queue-timeout-secs 10" in str(info.value)
+        await cap.admit(no_room)  # the 11th would wait ~11 s, past half the 20 s timeout
+    assert info.value.status == 429 and info.value.retry_after == 11
+    assert "half of router --worker-queue-timeout-secs 20" in str(info.value)
     for t in waiting:
         t.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
