@@ -24,8 +24,8 @@ for ever.
 FIFO queue (``worker_queue_size``): only its head tries to select, and it is woken when a
 worker's count drops (never polled). Past ``worker_queue_timeout`` seconds it gets a 408; with
 the queue full, or so long that at the rate the workers have been finishing requests it would
-not drain within half that timeout (``ADMIT_FRACTION``), a 429 at once. Both carry ``Retry-After``: the seconds in which,
-at that rate, the queue ahead would have drained.
+not drain within half that timeout (``ADMIT_FRACTION``), a 429 at once. Both carry
+``Retry-After``: the seconds in which, at that rate, the queue ahead would have drained.
 """
 from __future__ import annotations
 
