@@ -48,6 +48,11 @@ class Burst:
             seq = pub.publish_payload(self.payloads[m % 2])
         return seq
 
+    def send_last_again(self, pub: KVEventPublisher) -> int:
+        """Publish the last message's payload once more, as an engine goes on publishing after
+        a burst (the blocks left stored stay ``final_blocks``); its sequence number."""
+        return pub.publish_payload(self.payloads[(self.messages - 1) % 2])
+
 
 def make_burst(block_size: int, events: int = BURST_EVENTS, per_message: int = 1000) -> Burst:
     if events % per_message:
