@@ -10,11 +10,13 @@ purpose: a package that imports its own submodules would otherwise always read a
 from __future__ import annotations
 
 import ast
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("transfer", "index", "bootstrap", "engine", "router", "kvatlas", "tokenization")
+PACKAGES = ("transfer", "index", "bootstrap", "engine", "router", "sidecar", "kvatlas",
+            "tokenization")
 MIN_MODULES = 100
 """Fewer modules than this means the walk went wrong (it must not pass by walking nothing)."""
 
@@ -141,6 +143,28 @@ def test_the_walk_sees_the_project() -> None:
     # The resolution rules themselves, on imports known to exist.
     assert "index.table" in graph["index.mirror"]
     assert "router.http.messages" in graph["router.http.server"]
+    assert "sidecar.config" in graph["sidecar.record"]
+
+
+def top_level_packages() -> set[str]:
+    """Every directory at the repository root that is a Python package (tests/ is not one)."""
+    return {p.parent.name for p in ROOT.glob("*/__init__.py")}
+
+
+def test_every_package_is_walked() -> None:
+    # A package left out of PACKAGES would have its cycles go unseen (sidecar/ once was).
+    assert top_level_packages() == set(PACKAGES), (
+        f"add to PACKAGES: {sorted(top_level_packages() - set(PACKAGES))}; "
+        f"gone from the tree: {sorted(set(PACKAGES) - top_level_packages())}")
+
+
+def test_isort_knows_every_package_as_first_party() -> None:
+    # ruff sorts a package missing from known-first-party among the third-party imports.
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    first_party = set(config["tool"]["ruff"]["lint"]["isort"]["known-first-party"])
+    assert top_level_packages() <= first_party, (
+        "add to [tool.ruff.lint.isort] known-first-party in pyproject.toml: "
+        f"{sorted(top_level_packages() - first_party)}")
 
 
 def test_resolution_rules(tmp_path: Path) -> None:
