@@ -141,11 +141,6 @@ class KVEventPublisher:
         assert self._pub is not None, "start() first"
         return self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def replay_last_endpoint(self) -> str | None:
-        if self._router is None:
-            return None
-        return self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-
     def publish(self, batch: KVEventBatch) -> int:
         """Send one batch now; returns its sequence number. Never blocks."""
         return self.publish_payload(encode_payload(batch, self.config.encoding))
@@ -176,13 +171,6 @@ class KVEventPublisher:
         batch = KVEventBatch(time.time(), list(events), data_parallel_rank)
         events.clear()
         return self.publish(batch)
-
-    async def drain_forever(self, events: list[KVEvent], interval: float = 0.01,
-                            data_parallel_rank: int | None = None) -> None:
-        """Drain ``events`` every ``interval`` seconds (run as a task; cancel to stop)."""
-        while True:
-            self.drain(events, data_parallel_rank)
-            await asyncio.sleep(interval)
 
     def replay_from(self, start_seq: int) -> Iterable[tuple[int, bytes]]:
         """Buffered ``(seq, payload)`` from ``start_seq`` on."""
