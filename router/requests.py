@@ -22,8 +22,8 @@ from router.limits import Limit, WorkerLimits
 from router.policy import prompt_hashes
 from router.rooms import new_room
 from tokenization import ChatTemplateError, Tokenizer
-from tokenization.base import check_messages
 from tokenization.chat import request_template_args
+from tokenization.messages import check_messages
 
 GENERATE = "generate"
 COMPLETIONS = "completions"

@@ -159,22 +159,3 @@ def message_text(content: Any, where: str) -> str:
         return "\n".join(texts)
     raise ChatTemplateError(where, f"must be a string or a list of text parts, got "
                                    f"{type(content).__name__}")
-
-
-def check_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """``messages`` with each content flattened to text (:func:`message_text`); a
-    ChatTemplateError names the first malformed message."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ChatTemplateError("messages", "must be a non-empty list of {role, content} objects")
-    out = []
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, Mapping):
-            raise ChatTemplateError(f"messages[{i}]", f"must be an object, got "
-                                                      f"{type(msg).__name__}")
-        role = msg.get("role")
-        if not isinstance(role, str) or not role:
-            raise ChatTemplateError(f"messages[{i}].role", "must be a non-empty string")
-        flat = dict(msg)
-        flat["content"] = message_text(msg.get("content"), f"messages[{i}].content")
-        out.append(flat)
-    return out

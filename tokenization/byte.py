@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenization.base import ChatTemplateError, Detokenizer, Tokenizer, check_messages
+from tokenization.base import ChatTemplateError, Detokenizer, Tokenizer
+from tokenization.messages import check_messages
 
 BOS_ID = 256
 EOS_ID = 257

@@ -22,7 +22,8 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-from tokenization.base import ChatTemplateError, check_messages
+from tokenization.base import ChatTemplateError
+from tokenization.messages import check_messages
 
 RESERVED = frozenset({"messages", "tools", "add_generation_prompt"})
 """Template variables a request's ``chat_template_kwargs`` may not set."""

@@ -22,12 +22,13 @@ from typing import Any
 
 from index.record import InstanceRecord, RecordReader, named_tokenizer
 from kvatlas.cli import CLIError
-from tokenization import BYTE
+from tokenization import BYTE, ChatTemplateError
+from tokenization.messages import OPENAI_ROLES, check_message, check_messages
 
 logger = logging.getLogger(__name__)
 
-CHAT_ROLES = ("system", "user", "assistant")
-"""Roles ``--message`` accepts (every chat template knows these three)."""
+CHAT_ROLES = OPENAI_ROLES
+"""Roles ``--message`` accepts: OpenAI's (the model's template may still refuse one)."""
 
 
 TOKENIZER_HELP = ("tokenizer: a tokenizer directory, a .gguf file, a model alias (smollm2-135m) "
@@ -52,16 +53,19 @@ def add_prompt_args(parser: argparse.ArgumentParser, *extra: tuple[str, dict[str
     return src
 
 
-def parse_message(text: str) -> dict[str, str]:
-    """``ROLE=TEXT`` as a message; CLIError when the ``=`` or a known role is missing."""
+def parse_message(text: str, index: int = 0) -> dict[str, str]:
+    """``ROLE=TEXT`` as message ``index``; CLIError when the ``=`` is missing or OpenAI would
+    refuse the message (``tokenization.messages``)."""
     role, sep, content = text.partition("=")
     if not sep:
         raise CLIError(f"--message {text!r}: expected ROLE=TEXT (e.g. user=Hello), with ROLE one "
                        f"of {', '.join(CHAT_ROLES)}")
-    if role not in CHAT_ROLES:
-        raise CLIError(f"--message {text!r}: unknown role {role!r}; use one of "
-                       f"{', '.join(CHAT_ROLES)}")
-    return {"role": role, "content": content}
+    message = {"role": role, "content": content}
+    try:
+        check_message(index, message)
+    except ChatTemplateError as exc:
+        raise CLIError(f"--message {text!r}: {exc}") from None
+    return message
 
 
 def load_chat(path: str) -> list[dict[str, Any]]:
@@ -81,16 +85,10 @@ def load_chat(path: str) -> list[dict[str, Any]]:
         got = "an empty list" if doc == [] else f"a JSON {type(doc).__name__}"
         raise CLIError(f"{where}: expected a non-empty JSON list of {{\"role\", \"content\"}} "
                        f"messages, got {got}")
-    for i, msg in enumerate(doc):
-        if not isinstance(msg, dict):
-            raise CLIError(f"{where}: message {i} is a {type(msg).__name__}, not an object with "
-                           "role and content")
-        role = msg.get("role")
-        if not isinstance(role, str) or not role:
-            raise CLIError(f"{where}: message {i} has no role (a non-empty string)")
-        if not isinstance(msg.get("content"), (str, list)):
-            raise CLIError(f"{where}: message {i} ({role}) has no content (a string, or a list "
-                           "of {\"type\": \"text\", \"text\"} parts)")
+    try:
+        check_messages(doc)
+    except ChatTemplateError as exc:
+        raise CLIError(f"{where}: {exc}") from None
     return doc
 
 
@@ -99,7 +97,7 @@ def chat_messages(args: argparse.Namespace) -> list[dict[str, Any]] | None:
     if getattr(args, "chat", None) is not None:
         return load_chat(args.chat)
     if getattr(args, "message", None):
-        return [parse_message(m) for m in args.message]
+        return [parse_message(m, i) for i, m in enumerate(args.message)]
     return None
 
 
