@@ -10,9 +10,7 @@ one is an error naming the ``pip install`` that brings it.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import os
 from pathlib import Path
 
 from tokenization.base import TokenizerError
@@ -27,25 +25,6 @@ TOKENIZER_ALIASES = ("qwen3",)
 """Names of tokenizers shipped without a model."""
 KNOWN_NAMES = (*ALIASES, SMOLLM2_NAME, *TOKENIZER_ALIASES)
 """Every name :func:`tokenizer_path` resolves, for messages."""
-
-
-CACHE_ENV = "KVATLAS_CACHE_DIR"
-
-
-def cache_entry(source: Path, version: str) -> str | None:
-    """Where what is derived from the file ``source`` (a dequantized checkpoint, a converted
-    tokenizer) is kept: ``$KVATLAS_CACHE_DIR`` (default ``~/.cache/kvatlas``; empty: no cache,
-    None) and a name keyed by the file's resolved path, size and mtime (a re-downloaded or edited
-    file gets a new entry; hashing gigabytes on every start would cost what the cache saves) and
-    the deriver's ``version``. The caller adds its own subfolder or suffix."""
-    env = os.environ.get(CACHE_ENV)
-    if env == "":
-        return None
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "kvatlas"
-    st = source.stat()
-    key = hashlib.sha256(f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{version}"
-                         .encode()).hexdigest()[:16]
-    return str(root / f"{source.stem}-{key}")
 
 
 def canonical_model(name: str) -> str:

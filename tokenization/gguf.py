@@ -15,19 +15,17 @@ metadata (``tokenizer.ggml.*``, ``tokenizer.chat_template``). This builds the by
 Sentencepiece files (``llama``, ``t5``) are refused with a message: give the model's
 ``tokenizer.json`` directory instead. Reading the metadata takes seconds, so the result is kept as
 a tokenizer directory under ``$KVATLAS_CACHE_DIR/tokenizers`` (default ``~/.cache/kvatlas``)
-keyed by the file's path, size and mtime; later loads read that.
+keyed by the file's content (tokenization/derived.py); later loads, of any copy, read that.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from tokenization.assets import cache_entry
 from tokenization.base import Tokenizer, TokenizerError
+from tokenization.derived import cache_entry, publish_dir
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +57,7 @@ def byte_alphabet() -> dict[int, str]:
 
 def _cache_dir(path: Path) -> Path | None:
     entry = cache_entry(path, VERSION)
-    if entry is None:
-        return None
-    entry_path = Path(entry)
-    return entry_path.parent / "tokenizers" / entry_path.name
+    return None if entry is None else entry.parent / "tokenizers" / entry.name
 
 
 def load_gguf_tokenizer(path: Path) -> Tokenizer:
@@ -78,16 +73,12 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
     backend, config = _convert(path)
     target = cached
     if target is not None:
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+        def fill(tmp: Path) -> None:
             backend.save(str(tmp / "tokenizer.json"))
             (tmp / "tokenizer_config.json").write_text(json.dumps(config))
-            os.chmod(tmp, 0o755)
-            try:
-                os.rename(tmp, target)
-            except OSError:  # another process won the race: use its copy
-                pass
+
+        try:
+            publish_dir(target, fill)  # False: another process made it first, use its copy
         except OSError as exc:
             log.warning("could not cache the tokenizer of %s under %s: %s", path, target, exc)
             target = None

@@ -1,9 +1,9 @@
 """The on-disk cache of dequantized checkpoints: one safetensors file per source file.
 
 Where: ``$KVATLAS_CACHE_DIR`` (default ``~/.cache/kvatlas``; an empty value disables the cache).
-Key: the source's resolved path, size and mtime (a re-downloaded or edited file gets a new entry;
-hashing 100 MB on every start would cost what the cache saves) plus a format version. The file is
-written to a temporary name and renamed, so a reader never sees half a file; a lock file makes
+Key: the source's content hash plus a format version (tokenization/derived.py), so every copy of
+a model file shares one entry. The file is written to a temporary name in the same directory and
+renamed, so a reader never sees half a file and a failed write leaves nothing; a lock file makes
 concurrent starts (TP ranks, PD halves) build it once while the others wait. A cache that cannot
 be written is not an error: the caller keeps the arrays it computed.
 """
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tokenization.assets import cache_entry
+from tokenization.derived import cache_entry, publish_file
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,7 +34,7 @@ VERSION = "1"
 def cache_file(source: Path) -> Path | None:
     """The cache file for ``source`` (None when the cache is disabled)."""
     entry = cache_entry(source, VERSION)
-    return None if entry is None else Path(entry + ".safetensors")
+    return None if entry is None else entry.with_name(entry.name + ".safetensors")
 
 
 def read_metadata(path: Path | None) -> dict[str, str] | None:
@@ -80,16 +80,10 @@ def write(path: Path | None, arrays: dict[str, np.ndarray], metadata: dict[str, 
         return False
     from safetensors.numpy import save_file
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(arrays, str(tmp), metadata=metadata)
-        os.chmod(tmp, 0o644)  # readable by other users' engines sharing the cache directory
-        os.replace(tmp, path)
+        publish_file(path, lambda tmp: save_file(arrays, str(tmp), metadata=metadata))
     except OSError as e:
         log.warning("could not write checkpoint cache %s: %s", path, e)
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         return False
     log.info("checkpoint cache written: %s", path)
     return True
