@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import pkgutil
@@ -78,9 +79,42 @@ def _hoist_log_level(argv: list[str]) -> list[str]:
     return levels + rest
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The sub-parsers of ``parser`` by command word ({} when it has none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def check_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Exit 2 naming the first ``--flag`` no parser on the command's path knows, with the
+    closest known one: argparse would first report the required flags it then finds missing
+    (``--mesage`` reported as ``--message`` missing). Unique prefixes stay accepted."""
+    known: set[str] = set()
+    current = parser
+    for arg in argv:
+        if arg == "--":
+            return
+        known |= {f for f in current._option_string_actions if f.startswith("--")}
+        sub = _subcommands(current).get(arg)
+        if sub is not None:
+            current = sub
+            continue
+        if not arg.startswith("--"):
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in known or any(k.startswith(flag) for k in known):
+            continue
+        close = difflib.get_close_matches(flag, sorted(known), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        current.error(f"unknown argument {flag}{hint}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = _hoist_log_level(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser(argv)
+    check_flags(parser, argv)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -17,7 +17,13 @@ from typing import Any
 import aiohttp
 
 from kvatlas.commands._prompt import add_prompt_args
-from kvatlas.commands.route import SEND_IDS_HELP, add_router_args, prompt_body, router_url
+from kvatlas.commands.route import (
+    SEND_IDS_HELP,
+    add_router_args,
+    prompt_body,
+    router_url,
+    unreachable,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -119,10 +125,9 @@ async def _generate(url: str, path: str, body: dict[str, Any], args: argparse.Na
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvatlas.cli import CLIError
     path, body = request(args)
     url = router_url(args)
     try:
         return asyncio.run(_generate(url, path, body, args))
     except (TimeoutError, aiohttp.ClientError) as exc:
-        raise CLIError(f"router at {url} not reachable: {exc!r}") from None
+        raise unreachable(url, exc, args.timeout) from None

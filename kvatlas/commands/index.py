@@ -37,6 +37,7 @@ from kvatlas.commands._prompt import (
     tokenizer_source,
 )
 from kvatlas.commands._run_dir import add_cluster_etcd_args, block_segments, cluster_etcd_settings
+from tokenization.assets import KNOWN_NAMES, is_known
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,8 @@ TOKENIZER_HELP = (
     "--tokenizer it is the tokenizer the model's instances publish in etcd, else the model's own "
     "when --model is a known one (smollm2-135m), else the byte tokenizer of kvatlas's reference "
     "models (UTF-8 bytes, BOS 256 first). For other engines pass the ids their tokenizer produced "
-    "with --tokens/--tokens-file. Block hashes follow the DESIGN contract (chained XXH3, seed "
-    "1337, or the --lora/--cache-salt namespace)."
+    "with --tokens/--tokens-file. Block hashes follow the block hash contract of "
+    "docs/architecture.md (chained XXH3, seed 1337, or the --lora/--cache-salt namespace)."
 )
 
 
@@ -203,11 +204,6 @@ async def fetch_index(args: argparse.Namespace, model: str,
     return table, records
 
 
-async def fetch_table(args: argparse.Namespace, model: str) -> BlockTable:
-    """Every block segment of ``model`` (one snapshot) as a ``BlockTable``."""
-    return (await fetch_index(args, model, with_records=False))[0]
-
-
 def query_result(table: BlockTable, tokens: list[int], block_size: int,
                  seed: int) -> dict[str, Any]:
     hashes = block_hashes(tokens, block_size, seed)
@@ -237,6 +233,7 @@ def cmd_query(args: argparse.Namespace) -> int:
     how = ""
     if tokens is None:
         if tokenizer is None:
+            check_known_model(model, table, records, str(args.etcd))
             source = tokenizer_source(None, model, records, str(args.etcd))
             logger.info("model %s: tokenizer %s", model, source)
             tokenizer = load(source)
@@ -248,6 +245,20 @@ def cmd_query(args: argparse.Namespace) -> int:
         return 0
     print_query(args, model, tokens, how, result)
     return 0
+
+
+def check_known_model(model: str, table: BlockTable, records: list[InstanceRecord],
+                      where: str) -> None:
+    """CLIError listing the models the cluster knows when ``model`` is none of them: no instance
+    serves it, no block of it is indexed and tokenization ships no tokenizer for it. Its
+    tokenizer would otherwise be guessed (the byte one), and the query answer nothing, silently."""
+    served = sorted({r.model for r in records if r.model})
+    if model in served or table.instances() or is_known(model):
+        return
+    listed = ", ".join(served) if served else "none"
+    raise CLIError(f"unknown model {model!r}: the instances in etcd at {where} serve {listed}, and "
+                   f"tokenizers ship for {', '.join(KNOWN_NAMES)}; pass one of them as --model, "
+                   "or --tokenizer/--tokens to query this one anyway")
 
 
 def _how(tokenizer: Any, tokens: list[int], chat: bool) -> str:

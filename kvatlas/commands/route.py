@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvatlas.commands._prompt import add_prompt_args, chat_messages, encode, load
+from kvatlas.commands._run_dir import DEFAULT_RUN_DIR
 
 DEFAULT_ROUTER = "http://127.0.0.1:8000"
 STATE_FILES = ("cluster.json", "state.json")
@@ -25,22 +26,26 @@ STATE_FILES = ("cluster.json", "state.json")
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", default=None, metavar="URL",
-                        help=f"router base URL (default {DEFAULT_ROUTER})")
+                        help=f"router base URL (default: the router of --run-dir's cluster, "
+                             f"else {DEFAULT_ROUTER})")
     parser.add_argument("--run-dir", default=None, metavar="DIR",
                         help="a local cluster's run directory (kvatlas cluster up); its state "
-                             "file names the router")
+                             f"file names the router (default {DEFAULT_RUN_DIR}, when it has one)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait")
 
 
 def router_url(args: argparse.Namespace) -> str:
-    """--router, else the router URL recorded in --run-dir's state file, else the default."""
+    """--router, else the router URL recorded in --run-dir's state file (by default
+    ``.kvatlas/run``'s: a cluster that took another port than 8000 is still the one reached),
+    else the default URL when no --run-dir was given."""
     from kvatlas.cli import CLIError
     if args.router:
         return args.router.rstrip("/")
-    if args.run_dir is None:
+    run_dir = Path(args.run_dir or DEFAULT_RUN_DIR)
+    if args.run_dir is None and not any((run_dir / n).exists() for n in STATE_FILES):
         return DEFAULT_ROUTER
     for name in STATE_FILES:
-        path = Path(args.run_dir) / name
+        path = run_dir / name
         if not path.exists():
             continue
         try:
@@ -53,6 +58,20 @@ def router_url(args: argparse.Namespace) -> str:
         raise CLIError(f"{path} names no router URL (expected router.url or router_url)")
     raise CLIError(f"no cluster state in {args.run_dir} (looked for {', '.join(STATE_FILES)}); "
                    "is the cluster up?")
+
+
+def unreachable(url: str, exc: BaseException, timeout: float) -> Exception:
+    """The one-line CLIError for a router that did not answer: its address and why, without
+    aiohttp's connection-key repr."""
+    from kvatlas.cli import CLIError
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        why = exc.os_error.strerror or type(exc.os_error).__name__
+    elif isinstance(exc, TimeoutError):
+        why = f"no answer within {timeout:g} s (--timeout)"
+    else:
+        why = str(exc) or type(exc).__name__
+    return CLIError(f"router at {url} is not answering: {why}; is the cluster up (kvatlas "
+                    "cluster status), or pass --router/--run-dir")
 
 
 def _find_url(state: object) -> str | None:
@@ -140,7 +159,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     try:
         status, decision = asyncio.run(fetch_decision(url, body, args.model, args.timeout))
     except (TimeoutError, aiohttp.ClientError) as exc:
-        raise CLIError(f"router at {url} not reachable: {exc!r}") from None
+        raise unreachable(url, exc, args.timeout) from None
     if status != 200:
         raise CLIError(f"router answered {status}: {decision.get('error', decision)}")
     if args.json:
