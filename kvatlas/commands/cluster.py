@@ -67,7 +67,11 @@ def register(subparsers: Any) -> None:
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
     add_etcd_args(up)
     up.set_defaults(func=cmd_up)
-    # --etcd: "embedded" (default) or an external HOST:PORT[,...].
+    # --etcd: "embedded" (default) or an external HOST:PORT[,...]. The shared flag's help names
+    # the client default (127.0.0.1:2379), which is wrong here: argparse has no public setter.
+    next(a for a in up._actions if a.dest == "etcd").help = (
+        "embedded (default: etcd started and locked by cluster up) or an external "
+        "HOST:PORT[,HOST:PORT], which must already be provisioned")
     up.set_defaults(etcd=None)
 
     for name, func, text in (("status", cmd_status, "processes, health, readiness, index size"),
