@@ -85,7 +85,7 @@ def test_a_prefix_split_across_tiers_is_credited_block_by_block() -> None:
 
 
 def test_the_readmes_worked_example() -> None:
-    """README, "The router": p1's 16 host blocks beat p0's 12 device blocks under unseen load."""
+    """docs/router.md, "Worked example": p1's 16 host blocks beat p0's 12 device blocks under unseen load."""
     from router.engine_load import EngineLoad
 
     tokens = list(range(1000, 1000 + 20 * 16))

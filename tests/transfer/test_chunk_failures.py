@@ -1,6 +1,6 @@
 """A chunk k > 0 that fails (corrupt, another room), with one or several prefill ranks.
 
-What holds (README "Threat model", ``_receiver_core``): every chunk is checked (MAC, room, box,
+What holds (docs/security.md, ``_receiver_core``): every chunk is checked (MAC, room, box,
 checksum) before any byte of it is written; chunks are written as they pass, so a failure at
 chunk k > 0 leaves earlier chunks in the room's own reserved pages, which are released
 uncommitted; no page outside the reservation is ever written."""
