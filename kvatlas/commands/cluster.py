@@ -22,11 +22,11 @@ from typing import Any
 from kvatlas.cli import CLIError
 from kvatlas.commands import _etcd_auth
 from kvatlas.commands._common import add_etcd_args, etcd_password
+from kvatlas.commands._run_dir import DEFAULT_RUN_DIR
 from kvatlas.launcher.state import ClusterState, proc_rss
 from kvatlas.launcher.supervisor import LocalCluster, StartError, http_status, stop_processes
 from kvatlas.launcher.topology import DEFAULT_MODEL, ENGINE_KINDS, EtcdClientFlags, Topology
 
-DEFAULT_RUN_DIR = ".kvatlas/run"
 DEFAULT_ROUTER_PORT = 8000
 """The router's port when free: `kvatlas route`/`generate` find it there without --run-dir."""
 
@@ -127,8 +127,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     _refuse_running(run_dir)
     topology = topology_from_args(args)
-    router_port = args.router_port or (DEFAULT_ROUTER_PORT if _port_free(DEFAULT_ROUTER_PORT)
-                                       else None)
+    router_default_busy = not args.router_port and not _port_free(DEFAULT_ROUTER_PORT)
+    router_port = args.router_port or (None if router_default_busy else DEFAULT_ROUTER_PORT)
     ports = {("router", "router"): router_port} if router_port else None
     cluster = LocalCluster(topology, run_dir, ports=ports)
     console = Console(stderr=True)
@@ -153,7 +153,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         except StartError as exc:
             raise CLIError(f"cluster did not start: {exc}") from None
         if args.detach:
-            print_endpoints(cluster.state, time.monotonic() - started)
+            print_endpoints(cluster.state, time.monotonic() - started, router_default_busy)
             cluster.state.supervisor_pid = None
             cluster.state.save()
             detached = True
@@ -163,7 +163,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         # exception raised between two statements could otherwise skip it.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, request_stop)
-        print_endpoints(cluster.state, time.monotonic() - started)
+        print_endpoints(cluster.state, time.monotonic() - started, router_default_busy)
         print("running in the foreground; Ctrl-C stops everything", flush=True)
         _watch(cluster.state, stop_requested)
         print("\nstopping the cluster ...", flush=True)
@@ -194,7 +194,20 @@ def _watch(state: ClusterState, stop_requested: threading.Event) -> None:
             return
 
 
-def print_endpoints(state: ClusterState, elapsed: float) -> None:
+def busy_port_note(state: ClusterState, router_default_busy: bool) -> str | None:
+    """The line saying where the router went when its default port was taken: a client aimed at
+    127.0.0.1:8000 would reach whatever holds it, so say how this cluster is found instead."""
+    if not router_default_busy:
+        return None
+    run_dir = state.run_dir
+    hint = "" if Path(run_dir) == Path(DEFAULT_RUN_DIR) else f" --run-dir {run_dir}"
+    return (f"port {DEFAULT_ROUTER_PORT} was busy: the router took {state.router['url']}; "
+            f"kvatlas generate/route{hint} find it through {run_dir}/cluster.json, other clients "
+            "need that URL")
+
+
+def print_endpoints(state: ClusterState, elapsed: float, router_default_busy: bool = False
+                    ) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -208,6 +221,9 @@ def print_endpoints(state: ClusterState, elapsed: float) -> None:
     print(f"router: {state.router['url']}   etcd: {state.etcd}"
           + (f"   index shards: {' '.join(state.index_etcd)}" if state.index_etcd else ""),
           flush=True)
+    note = busy_port_note(state, router_default_busy)
+    if note:
+        print(note, flush=True)
 
 
 def _json(url: str) -> tuple[int, Any]:

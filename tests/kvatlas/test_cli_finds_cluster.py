@@ -115,3 +115,15 @@ async def test_index_query_of_an_unknown_model_lists_the_known_ones(
                                  cwd=tmp_path)
     line = one_line_error(rc, err)
     assert "unknown model 'gpt-4o'" in line and "smollm2-135m" in line and out == "", err
+
+
+def test_cluster_up_says_where_the_router_went_when_8000_was_busy() -> None:
+    from kvatlas.commands.cluster import busy_port_note
+    from kvatlas.launcher.state import ClusterState
+
+    state = ClusterState(run_dir="/tmp/elsewhere", etcd="127.0.0.1:23790",
+                         router={"url": "http://127.0.0.1:41234"}, model="tiny", topology={})
+    note = busy_port_note(state, router_default_busy=True)
+    assert note is not None and "port 8000 was busy" in note and "http://127.0.0.1:41234" in note
+    assert "--run-dir /tmp/elsewhere" in note
+    assert busy_port_note(state, router_default_busy=False) is None
