@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
+
+from bootstrap.http_errors import Refusal
 
 READ_TIMEOUT_S = 75.0
 """Default bound, in seconds, on a request head and on a body (web.run_app's keep-alive)."""
@@ -83,12 +84,8 @@ async def body_deadline(request: web.Request) -> AsyncIterator[None]:
     except TimeoutError:
         if not timer.expired():
             raise
-        answer = web.HTTPRequestTimeout(
-            text=json.dumps({"error": f"request body not received within {seconds:g} s "
-                                      "(the server's read timeout)"}),
-            content_type="application/json")
         # Closed once answered: a "Connection: close" header alone leaves aiohttp reading (and
         # discarding) the rest of the body for up to 10 s more, then serving the next request
         # on the very connection that was too slow.
-        answer.force_close()
-        raise answer from None
+        raise Refusal(408, f"request body not received within {seconds:g} s (the server's "
+                           "read timeout)", close=True) from None

@@ -22,6 +22,7 @@ from aiohttp import web
 from bootstrap.config import BootstrapConfig
 from bootstrap.dp_rooms import DpRoomMap
 from bootstrap.errors import BadRequest, RequestError
+from bootstrap.http_errors import json_error
 from bootstrap.http_limits import NOT_UTF8, body_deadline, bound_reads, utf8_text
 from bootstrap.metrics import BootstrapMetrics
 from bootstrap.mirror import RankMirror
@@ -49,10 +50,6 @@ class BootstrapState:
 
 
 STATE = web.AppKey("bootstrap_state", BootstrapState)
-
-
-def _error(status: int, message: str, **extra: Any) -> web.Response:
-    return web.json_response({"error": message, **extra}, status=status)
 
 
 def _refuse_constant(name: str) -> Any:
@@ -120,7 +117,7 @@ async def _guard(request: web.Request,
         given_raw = given.encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(given_raw, f"Bearer {token}".encode()):
             state.metrics.unauthorized.inc()
-            resp = _error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
+            resp = json_error(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' "
                                "with the server's --auth-token")
             resp.headers["WWW-Authenticate"] = "Bearer"
             return resp
@@ -131,12 +128,12 @@ async def _guard(request: web.Request,
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type == "application/json":
             raise  # a redirect, or an answer that already says why (a 408 of body_deadline)
-        return _error(exc.status, f"{exc.reason}: {request.method} {request.path}")
+        return json_error(exc.status, f"{exc.reason}: {request.method} {request.path}")
     except asyncio.CancelledError:
         raise
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
-        return _error(500, "internal error; see the bootstrap server's log")
+        return json_error(500, "internal error; see the bootstrap server's log")
 
 
 # --- handlers --------------------------------------------------------------------------------
@@ -182,7 +179,7 @@ def _route_answer(state: BootstrapState, request: web.Request) -> tuple[str, web
     values: list[int] = []
     for name, text in zip(ROUTE_PARAMS, raw):
         if not _INT_RE.fullmatch(text):  # type: ignore[arg-type]
-            return "rank", _error(400, f"query parameter '{name}' must be an integer, got {text!r}")
+            return "rank", json_error(400, f"query parameter '{name}' must be an integer, got {text!r}")
         values.append(int(text))  # type: ignore[arg-type]
     dp, cp, tp, pp = values
     kind = "topology" if dp == cp == tp == pp == -1 else "rank"

@@ -1,7 +1,9 @@
 """Engine exceptions, rooted at ``EngineError`` (``engine.pd.fetch.FetchError``, a decode's failed
 KV fetch, is one too). Each carries what went wrong and what to change; the HTTP layer maps
-``BadRequest`` to 400, ``DuplicateRequest`` to 409 and ``CapacityError`` to 503 in one place
-(``engine.http_common.STATUS_OF``); any other is a 500."""
+``BadRequest`` to 400 (its ``field`` is OpenAI's ``param``), ``DuplicateRequest`` to 409 and
+``CapacityError`` to 503 in one place (``engine.http_common.error_middleware``, by
+``STATUS_OF``); any other is a 500. Answers take their route's shape
+(``bootstrap.http_errors``)."""
 from __future__ import annotations
 
 
@@ -50,10 +52,3 @@ class PoolExhausted(EngineError):
         self.free = free
         self.capacity = capacity
 
-
-class RequestAborted(EngineError):
-    """The request was aborted (client went away or abort was called)."""
-
-    def __init__(self, rid: str) -> None:
-        super().__init__(f"request {rid} aborted")
-        self.rid = rid

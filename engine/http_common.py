@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from bootstrap.http_errors import ErrorAnswer, Refusal, json_error, shaped
 from bootstrap.http_limits import body_deadline
 from engine.config import ModelConfig
 from engine.errors import BadRequest, CapacityError, DuplicateRequest, EngineError
@@ -51,10 +52,6 @@ def state(request: web.Request) -> EngineState:
     return request.app[STATE_KEY]
 
 
-def json_error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
-
-
 STATUS_OF: dict[type[EngineError], int] = {BadRequest: 400, DuplicateRequest: 409,
                                            CapacityError: 503}
 """The HTTP status of each engine error a client can cause (the one mapping, also used for
@@ -66,36 +63,43 @@ def error_status(exc: BaseException) -> int | None:
     return next((code for cls, code in STATUS_OF.items() if isinstance(exc, cls)), None)
 
 
+def error_answer(exc: EngineError, status: int, **extra: Any) -> ErrorAnswer:
+    """The answer to an engine error a client caused (``status`` from ``error_status``):
+    its message, and the field at fault (OpenAI's ``param``) for a ``BadRequest``."""
+    param = exc.field if isinstance(exc, BadRequest) else None
+    return json_error(status, str(exc), param=param, **extra)
+
+
 @web.middleware
 async def error_middleware(request: web.Request,
                            handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                            ) -> web.StreamResponse:
+    """The engine's one error boundary: engine errors become their status, aiohttp's own
+    (no route, wrong method) JSON, and every error answer takes its route's shape (SGLang's
+    ``{"error": message}``, or OpenAI's error object on ``/v1/`` routes)."""
     try:
-        return await handler(request)
+        return shaped(request, await handler(request))
     except web.HTTPException as exc:
-        if exc.status >= 400 and exc.content_type != "application/json":
-            return json_error(exc.status, exc.reason)
-        raise
+        if exc.status >= 400 and not isinstance(exc, Refusal):
+            return shaped(request, json_error(exc.status, exc.reason))
+        raise shaped(request, exc) from None
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as exc:  # the process never dies for one request
-        if (code := error_status(exc)) is not None:
-            return json_error(code, str(exc))
+        if isinstance(exc, EngineError) and (code := error_status(exc)) is not None:
+            return shaped(request, error_answer(exc, code))
         log.exception("%s %s failed", request.method, request.path)
-        return json_error(500, f"internal error: {type(exc).__name__}: {exc}")
+        return shaped(request, json_error(500, f"internal error: {type(exc).__name__}: {exc}"))
 
 
 async def read_body(request: web.Request) -> dict[str, Any]:
     try:
         async with body_deadline(request):
             raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
+    except web.HTTPRequestEntityTooLarge:
         limit = request.client_max_size
-        raise web.HTTPRequestEntityTooLarge(
-            max_size=limit, actual_size=request.content_length or limit + 1,
-            content_type="application/json",
-            text=json.dumps({"error": f"request body is larger than {limit} bytes (the server's "
-                                      f"--max-request-bytes)"})) from exc
+        raise Refusal(413, f"request body is larger than {limit} bytes (the server's "
+                           f"--max-request-bytes)") from None
     return load_json(raw)
 
 

@@ -24,8 +24,8 @@ from router import handlers
 from router.admission import Admission
 from router.config import RouterConfig
 from router.discovery import InstanceDiscovery
-from router.dispatch import Dispatcher, json_error
-from router.errors import RouterError
+from router.dispatch import Dispatcher
+from router.errors import RouterError, json_error, shaped
 from router.handlers import Services
 from router.health import HealthChecker
 from router.http.server import HttpServer, Request, Response, Stream
@@ -107,6 +107,7 @@ class RouterApp:
                 except Exception:  # noqa: BLE001 - the router answers, whatever happened
                     logger.exception("unexpected error on %s %s", request.method, request.path)
                     answer = json_error(500, "internal router error (see the router log)")
+        answer = shaped(request.path, answer)  # OpenAI's error object on /v1/ routes
         status = answer.status if isinstance(answer, Response) else 200
         m.child(m.requests, route, str(status)).inc()
         return answer

@@ -16,15 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from router.capacity import request_need
 from router.client_ids import ClientRid, RidEcho, engine_rid
-from router.errors import NoWorkers
+from router.errors import NoWorkers, error_response, json_error
 from router.explain import EXPLAIN_HEADER, explain, last_cached_tokens, reported_cached_tokens, wanted
 from router.http.client import UpstreamError, UpstreamResponse
 from router.http.headers import encode_headers
@@ -50,16 +48,18 @@ class Failure:
     content_type: str
     failed: str
     """Instance id to avoid on the next attempt."""
+    message: str | None = None
+    """The router's own reason (an upstream it could not reach): answered as an error of the
+    route's shape. None: ``body`` is the worker's own answer, relayed as it is."""
 
+    @classmethod
+    def of_router(cls, status: int, message: str, failed: str) -> Failure:
+        return cls(status, b"", "application/json", failed, message)
 
-def json_error(status: int, message: str, request_id: str | None = None,
-               headers: dict[str, str] | None = None, **extra: Any) -> Response:
-    """``{"error": message, **extra}``; ``headers``: more headers besides the request id."""
-    if request_id:
-        headers = {**headers, "x-request-id": request_id} if headers else {
-            "x-request-id": request_id}
-    return Response(status, json.dumps({"error": message, **extra}).encode(),
-                    headers=headers)
+    def answer(self, request_id: str) -> Response:
+        if self.message is not None:
+            return json_error(self.status, self.message, request_id)
+        return Response(self.status, self.body, self.content_type, {"x-request-id": request_id})
 
 
 def _record(state: RouterState, worker: Worker, status: int | None, reason: str = "") -> None:
@@ -118,7 +118,7 @@ class Dispatcher:
                                                          unfit=unfit))
             except NoWorkers as exc:
                 if last is None:
-                    return json_error(503, str(exc), request_id, role=exc.role)
+                    return error_response(exc, request_id)
                 break
             p = pair.prefill.worker
             if client_rid is not None:
@@ -149,8 +149,7 @@ class Dispatcher:
                         "on %s", attempt + 1, request_id, rooms[0], rid, client_rid,
                         result.status, result.failed)
         assert last is not None
-        return Response(last.status, last.body, last.content_type,
-                        {"x-request-id": request_id})
+        return last.answer(request_id)
 
     async def _attempt(self, request: Request, path: str, pair: Pair, body: bytes,
                        headers: bytes, stream: bool, reply: dict[str, str],
@@ -197,8 +196,8 @@ class Dispatcher:
             _record(self.state, decode, None, "transport")
             _drop(decode_call)
             _drop(prefill_call)
-            return Failure(502, _err(f"decode {decode.instance_id} failed: {exc}"),
-                           "application/json", decode.instance_id)
+            return Failure.of_router(502, f"decode {decode.instance_id} failed: {exc}",
+                                     decode.instance_id)
         status = resp.status
         if status in RETRY_STATUSES or status >= 500:
             decode.load -= 1
@@ -234,8 +233,8 @@ class Dispatcher:
                                   echo)
 
     def _prefill_failure(self, prefill: Worker, err: str) -> Failure:
-        return Failure(502, _err(f"prefill {prefill.instance_id} failed: {err}"),
-                       "application/json", prefill.instance_id)
+        return Failure.of_router(502, f"prefill {prefill.instance_id} failed: {err}",
+                                 prefill.instance_id)
 
     def _prefill_done(self, worker: Worker, t0: float,
                       decode_call: asyncio.Future[UpstreamResponse], pages: int,
@@ -323,7 +322,3 @@ def _drop(call: asyncio.Future[UpstreamResponse]) -> None:
     """Abandon a call: cancelling drops its connection; a finished one is closed."""
     if not call.cancel() and not call.cancelled() and call.exception() is None:
         call.result().close()
-
-
-def _err(message: str) -> bytes:
-    return json.dumps({"error": message}).encode()

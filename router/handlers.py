@@ -11,9 +11,9 @@ from typing import Any
 from router.admission import Admission
 from router.client_ids import client_rid, new_request_id
 from router.config import parse_bootstrap_port
-from router.dispatch import HOP_HEADERS, Dispatcher, json_error
+from router.dispatch import HOP_HEADERS, Dispatcher
 from router.engine_load import check_thresholds
-from router.errors import BadRequest, RouterError
+from router.errors import BadRequest, RouterError, error_response, json_error
 from router.http.server import Request, Response, Stream, json_response
 from router.json_body import load_json
 from router.policy import RouteContext
@@ -31,13 +31,6 @@ class Services:
     state: RouterState
     dispatcher: Dispatcher
     admission: Admission
-
-
-def error_response(exc: RouterError, request_id: str | None = None) -> Response:
-    """The one mapping of the router's errors to HTTP answers: ``exc.status`` with
-    ``{"error": str(exc), **exc.extra}``. ``RouterApp.handle`` answers every RouterError a
-    handler raises with it; ``_proxy`` calls it itself to add the request id."""
-    return json_error(exc.status, str(exc), request_id, exc.headers, **exc.extra)
 
 
 def _usable_id(value: str) -> bool:
@@ -318,11 +311,12 @@ async def put_thresholds(svc: Services, request: Request) -> Response:
     th = svc.state.thresholds
     queue = doc.get("busy_queue", th.busy_queue)
     usage = doc.get("busy_kv_usage", th.busy_kv_usage)
-    try:
-        check_thresholds(queue, usage)
-    except ValueError as exc:
-        field = "busy_queue" if str(exc).startswith("busy_queue") else "busy_kv_usage"
-        raise BadRequest(field, str(exc).split(" ", 1)[1]) from None
+    # One value at a time, so that the field at fault is known without reading the message.
+    for field, one in (("busy_queue", (queue, None)), ("busy_kv_usage", (None, usage))):
+        try:
+            check_thresholds(*one)
+        except ValueError as exc:  # its message names the field and says what it takes
+            raise BadRequest("", str(exc), param=field) from None
     th.busy_queue, th.busy_kv_usage = queue, usage
     logger.info("busy thresholds now %s", th.describe())
     return json_response(th.describe())

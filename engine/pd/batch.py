@@ -21,8 +21,8 @@ from typing import Any
 from aiohttp import web
 
 from engine.errors import BadRequest
-from engine.http_common import error_status, read_body, state
-from engine.pd.common import Bootstrap, bootstrap_fields, json_error
+from engine.http_common import error_status, json_error, read_body, state
+from engine.pd.common import Bootstrap, bootstrap_fields
 from engine.protocol import (
     GenInput,
     check_model,

@@ -1,5 +1,5 @@
 """Pieces shared by the prefill and decode workers: building one rank's engine, the bootstrap
-fields of a PD request, the HTTP app skeleton, and errors as JSON."""
+fields of a PD request, the HTTP app skeleton (errors as JSON: ``engine.http_common``)."""
 from __future__ import annotations
 
 import asyncio
@@ -113,10 +113,6 @@ def bootstrap_fields(body: dict[str, Any]) -> Bootstrap:
     if room not in ROUTER_ROOMS:  # what the router draws; the KV transfer refuses room 0
         raise BadRequest("bootstrap_room", f"must be an integer in {ROUTER_ROOMS}, got {room!r}")
     return Bootstrap(host, port, room)
-
-
-def json_error(status: int, message: str, **extra: Any) -> web.Response:
-    return web.json_response({"error": message, **extra}, status=status)
 
 
 def worker_app(cfg: PDConfig, ctx: Callable[[web.Application], AsyncIterator[None]],

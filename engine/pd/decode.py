@@ -25,9 +25,9 @@ from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from engine import openai_api
 from engine import server as mono
 from engine.errors import BadRequest
-from engine.http_common import sse_end, sse_response, sse_send, until_disconnected
+from engine.http_common import json_error, sse_end, sse_response, sse_send, until_disconnected
 from engine.pd.batch import PDItem, answer_batch, item_ids, read_openai_item, read_pd_items
-from engine.pd.common import Bootstrap, json_error, served_fields, start_group_leader, worker_app
+from engine.pd.common import Bootstrap, served_fields, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.fetch import DecodeRank, FetchError
 from engine.pd.registration_decode import DecodeRecord

@@ -32,9 +32,9 @@ from bootstrap.server import STATE as BOOTSTRAP_STATE
 from bootstrap.server import create_app as create_bootstrap_app
 from engine import server as mono
 from engine.errors import BadRequest, CapacityError
-from engine.http_common import until_disconnected
+from engine.http_common import json_error, until_disconnected
 from engine.pd.batch import PDItem, answer_batch, item_ids, read_openai_item, read_pd_items
-from engine.pd.common import Bootstrap, json_error, served_fields, start_group_leader, worker_app
+from engine.pd.common import Bootstrap, served_fields, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, rank_route, start_engine
 from engine.ranks.replica import ReplicatedScheduler

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from error_shapes import error_message
 from real_model_helpers import tiny_llama_checkpoint
 
 from engine.serve_config import EngineServerConfig
@@ -65,7 +66,7 @@ async def test_what_it_cannot_serve_is_a_400(aiohttp_client: Any, checkpoint: Pa
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     r = await c.post(path, json={**body, "max_tokens": 2})
     assert r.status == 400, await r.text()
-    err = (await r.json())["error"]
+    err = error_message(path, await r.json())
     assert err.startswith(field + ":") and needle in err, err
     state = await (await c.get("/server_info")).json()
     assert state["internal_states"][0]["kv_pages_used"] == 0

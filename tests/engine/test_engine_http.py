@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import zmq
 import zmq.asyncio
+from error_shapes import error_message
 
 from engine.http_common import STATE_KEY
 from engine.serve_config import EngineServerConfig
@@ -255,7 +256,7 @@ async def test_bad_inputs_are_400_with_a_message(aiohttp_client: Any) -> None:
         kw = {"data": body} if isinstance(body, bytes) else {"json": body}
         r = await c.post(path, **kw)
         assert r.status == 400, (path, body, r.status, await r.text())
-        err = (await r.json())["error"]
+        err = error_message(path, await r.json())
         assert needle in err, (path, body, err)
     assert (await c.get("/nope")).status == 404
     sp = {"max_new_tokens": 2, "temperature": 0}

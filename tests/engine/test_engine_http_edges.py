@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from error_shapes import error_message
 from pd_helpers import Pair, pd_body, start_pair
 
 from bootstrap.config import BootstrapConfig
@@ -22,7 +23,7 @@ from engine.server import create_app
 from kvatlas.etcd_proc import free_port
 
 pytestmark = pytest.mark.timeout(90)
-NOT_UTF8 = {"error": "body: is not UTF-8; send JSON encoded as UTF-8 (RFC 8259)"}
+NOT_UTF8 = "body: is not UTF-8; send JSON encoded as UTF-8 (RFC 8259)"
 PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
@@ -68,7 +69,7 @@ async def test_a_body_not_in_utf8_is_the_routers_400(urls: dict[str, str]) -> No
                 for name, raw in encodings(doc).items():
                     async with s.post(urls[mode] + path, data=raw,
                                       headers={"Content-Type": "application/json"}) as r:
-                        got = (r.status, await r.json())
+                        got = (r.status, error_message(path, await r.json()))
                     assert got == (400, NOT_UTF8), (mode, path, name, got)
 
 
@@ -82,7 +83,7 @@ async def test_n_above_one_is_refused(urls: dict[str, str]) -> None:
                 else:
                     body, field = {**doc, "n": 3}, "n"
                 async with s.post(urls[mode] + path, json=body) as r:
-                    status, err = r.status, (await r.json())["error"]
+                    status, err = r.status, error_message(path, await r.json())
                 assert status == 400 and err.startswith(f"{field}: only n = 1 is supported"), \
                     (mode, path, status, err)
 
@@ -128,7 +129,7 @@ async def test_the_limits_are_published_and_enforced(urls: dict[str, str]) -> No
             docs["/generate-text"] = {**bodies(bport)["/generate"], "text": "y" * 2047}
             for path, body in docs.items():
                 async with s.post(urls[mode] + path.removesuffix("-text"), json=body) as r:
-                    status, err = r.status, (await r.json())["error"]
+                    status, err = r.status, error_message(path, await r.json())
                 assert status == 400 and "at most 2047" in err, (mode, path, status, err)
             big = json.dumps({"text": "z" * (info["max_body_bytes"] + 1)})
             async with s.post(urls[mode] + "/generate", data=big) as r:

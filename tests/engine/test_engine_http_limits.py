@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from engine_helpers import wait_until
+from error_shapes import error_message
 
 from engine.http_common import STATE_KEY
 from engine.serve_config import EngineServerConfig
@@ -83,7 +84,7 @@ async def test_deeply_nested_json_is_a_400(aiohttp_client: Any) -> None:
     for path in ("/generate", "/v1/completions"):
         r = await c.post(path, data=b"[" * 100_000 + b"]" * 100_000)
         assert r.status == 400, await r.text()
-        assert "nested too deeply" in (await r.json())["error"]
+        assert "nested too deeply" in error_message(path, await r.json())
 
 
 async def test_huge_bodies_are_refused_early(aiohttp_client: Any,
@@ -104,13 +105,14 @@ async def test_huge_bodies_are_refused_early(aiohttp_client: Any,
     err = (await r.json())["error"]
     assert r.status == 400 and "prompt has 3000 tokens" in err, err
     r = await c.post("/v1/completions", json={"prompt": ids})
-    assert r.status == 400 and "prompt has 3000 tokens" in (await r.json())["error"]
+    assert r.status == 400 and "prompt has 3000 tokens" in error_message("/v1/completions",
+                                                                         await r.json())
     # a body over the 8 MiB default: 413 with a JSON error
     for path in ("/generate", "/v1/chat/completions"):
         r = await c.post(path, data=json.dumps({"text": "z" * 9_000_000}).encode(),
                          headers={"Content-Type": "application/json"})
         assert r.status == 413 and r.headers["Content-Type"].startswith("application/json")
-        assert "max-request-bytes" in (await r.json())["error"]
+        assert "max-request-bytes" in error_message(path, await r.json())
     assert (await c.post("/generate", json={"text": "still fine", "sampling_params": {
         "max_new_tokens": 2}})).status == 200
 
@@ -131,7 +133,7 @@ async def test_too_many_or_too_long_stop_strings_are_400(aiohttp_client: Any) ->
         r = await c.post("/generate", json={"text": "a", "sampling_params": {"stop": stop}})
         assert r.status == 400 and needle in (await r.json())["error"]
         r = await c.post("/v1/completions", json={"prompt": "a", "stop": stop})
-        assert r.status == 400 and needle in (await r.json())["error"]
+        assert r.status == 400 and needle in error_message("/v1/completions", await r.json())
     r = await c.post("/generate", json={"text": "a", "sampling_params": {
         "stop": ["s" * 256] * 32, "max_new_tokens": 2}})
     assert r.status == 200
@@ -151,7 +153,7 @@ async def test_unsupported_openai_fields_are_refused(aiohttp_client: Any) -> Non
         for path, base in (("/v1/completions", comp), ("/v1/chat/completions", chat)):
             r = await c.post(path, json={**base, key: value})
             assert r.status == 400, (path, key, value, r.status)
-            err = (await r.json())["error"]
+            err = error_message(path, await r.json())
             assert err.startswith(f"{key}:") and "not supported" in err, err
     # the default values mean "not used" and are accepted
     defaults = {"logprobs": None, "echo": False, "best_of": 1, "presence_penalty": 0,

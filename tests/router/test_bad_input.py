@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+from error_shapes import error_message, error_object
 
 CASES = [
     ("/generate", b"not json", 400, "JSON"),
@@ -79,7 +80,7 @@ async def test_bad_body(setup: Any, path: str, raw: bytes, status: int, needle: 
     resp = await client.post(path, data=raw, headers={"content-type": "application/json"})
     assert resp.status == status
     body = await resp.json()
-    assert needle in body["error"], body
+    assert needle in error_message(path, body), body
     assert not p.bodies and not d.bodies
 
 
@@ -97,7 +98,7 @@ async def test_body_not_in_utf8_is_refused_as_the_workers_do(setup: Any, path: s
                      ensure_ascii=False).encode(encoding)
     resp = await client.post(path, data=raw, headers={"content-type": "application/json"})
     assert resp.status == 400
-    assert (await resp.json())["error"] == NOT_UTF8
+    assert error_message(path, await resp.json()) == NOT_UTF8
     assert not p.bodies and not d.bodies
 
 
@@ -154,7 +155,9 @@ async def test_unknown_model_is_404(setup: Any) -> None:
     client, p, d = setup
     resp = await client.post("/v1/completions", json={"prompt": "a", "model": "other"})
     assert resp.status == 404
-    assert "other" in (await resp.json())["error"]
+    err = error_object("/v1/completions", await resp.json())
+    assert "other" in err["message"] and err["param"] == "model", err
+    assert err["code"] == "model_not_found" and err["type"] == "invalid_request_error", err
     assert not p.bodies and not d.bodies
 
 

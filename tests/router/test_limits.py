@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
+from error_shapes import error_message
 from etcd_instances import wait_for
 
 import router.requests as router_requests
@@ -51,7 +52,7 @@ async def test_max_prompt_tokens_flag(stubs: Any, make_router: Any) -> None:
     for path, body, field in over(100):
         resp = await client.post(path, json=body)
         assert resp.status == 400, (path, body)
-        error = (await resp.json())["error"]
+        error = error_message(path, await resp.json())
         assert error.startswith(f"{field}: prompt has ") and "at most 100" in error, error
         assert "--max-prompt-tokens" in error, error
     assert not p.bodies and not d.bodies
@@ -119,7 +120,8 @@ async def test_limit_learned_from_the_etcd_record(start_router: Any, etcd_settin
     await limits_known_each(client, {"pre": 49, "dec": 40})
     resp = await client.post("/v1/completions", json={"prompt": [[1] * 41], "model": "tiny"})
     assert resp.status == 400
-    assert "max_prompt_tokens of worker dec" in (await resp.json())["error"]
+    assert "max_prompt_tokens of worker dec" in error_message("/v1/completions",
+                                                              await resp.json())
     assert not p.bodies and not d.bodies
 
 

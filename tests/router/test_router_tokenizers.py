@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from error_shapes import error_message
 
 from tokenization import load_tokenizer
 from tokenization.assets import qwen3_tokenizer_dir
@@ -70,7 +71,7 @@ async def test_bad_chats_are_400_and_reach_no_worker(stubs: Any, make_router: An
         for path in ("/v1/chat/completions", "/debug/route"):
             resp = await client.post(path, json={"messages": msgs, "max_tokens": 4})
             assert resp.status == 400, (path, await resp.text())
-            err = (await resp.json())["error"]
+            err = error_message(path, await resp.json())
             assert err.startswith(field + ":") and needle in err, err
     long = await client.post("/generate", json={"text": "word " * 60})
     assert long.status == 400 and "at most 40" in (await long.json())["error"]
