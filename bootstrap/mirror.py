@@ -6,7 +6,6 @@ retrying, the rewrite after a new lease and the removal of stale keys of this in
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
@@ -14,14 +13,11 @@ from typing import Any
 from bootstrap.config import BootstrapConfig
 from bootstrap.errors import BootstrapLayerError
 from bootstrap.table import Cell, RankEntry, RankTable
-from index.claim import connect_and_claim
 from index.errors import MalformedValue
 from index.etcd import EtcdClient
 from index.framing import finite_number, strict_int
 from index.keys import KeyLayout, dumps, loads
-from index.lease import LeaseSession, cancel_and_wait
-from index.lifecycle import undo_on_failure
-from index.owned import LeasedKeys
+from index.presence import Claim, InstancePresence
 from index.record import PREFILL, InstanceRecord
 
 logger = logging.getLogger(__name__)
@@ -93,12 +89,18 @@ class RankMirror:
         self.table = table
         self.layout = config.layout
         self.started_at = time.time()
-        self.client = EtcdClient(config.etcd)
-        self.session = LeaseSession(self.client, config.lease_ttl)
+        iid = config.instance_id
         # Only the rank range is swept for stale keys: the instance key is always desired, and
         # using it as a prefix would also match other instances whose id starts with ours.
-        self.keys = LeasedKeys(self.session, [self.layout.ranks_prefix(config.instance_id)])
-        self._tasks: list[asyncio.Task[None]] = []
+        self.presence = InstancePresence(
+            EtcdClient(config.etcd), config.lease_ttl,
+            owned_prefixes=[self.layout.ranks_prefix(iid)],
+            claim=Claim(self.layout.instance(iid), iid,
+                        meanwhile="serving from memory and retrying"),
+            name="bootstrap")
+        self.client = self.presence.client
+        self.session = self.presence.session
+        self.keys = self.presence.keys
         self.publish_instance()
 
     # --- desired state ----------------------------------------------------------------------
@@ -159,28 +161,9 @@ class RankMirror:
     # --- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect and start mirroring; InstanceIdInUse when a live process holds the id. When a
-        step fails, the steps before it are undone in reverse order (``index.lifecycle``)."""
-        async with undo_on_failure() as undo:
-            undo.push_async_callback(self.client.close)
-            iid = self.config.instance_id
-            await connect_and_claim(self.client, self.layout.instance(iid), iid,
-                                    meanwhile="serving from memory and retrying")
-            # Revoked after the tasks are stopped, so nothing renews or rewrites it.
-            undo.push_async_callback(self.session.revoke)
-            self._tasks = []
-            undo.push_async_callback(lambda: cancel_and_wait(*self._tasks))
-            self._tasks.append(asyncio.create_task(self.session.run(), name="bootstrap-lease"))
-            self._tasks.append(asyncio.create_task(self.keys.run(), name="bootstrap-mirror"))
+        """Connect and start mirroring; InstanceIdInUse when a live process holds the id."""
+        await self.presence.open()
 
     async def close(self, revoke: bool = True) -> None:
         """Stop mirroring; with ``revoke`` the lease is revoked so every key vanishes now."""
-        await cancel_and_wait(*self._tasks)
-        self._tasks = []
-        if revoke:
-            try:
-                await asyncio.wait_for(self.session.revoke(),
-                                       timeout=min(3.0, self.client.settings.timeout))
-            except TimeoutError:
-                logger.warning("lease revoke timed out; the keys expire with the lease TTL")
-        await self.client.close()
+        await self.presence.close(revoke)

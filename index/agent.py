@@ -29,8 +29,6 @@ from typing import Any
 import zmq
 
 from index.agent_stats import StatsPublisher
-from index.block_index import GPU, BlockIndex
-from index.claim import connect_and_claim
 from index.errors import EtcdError, IndexLayerError
 from index.etcd import EtcdClient, EtcdSettings
 from index.events.ingest import InstanceIngestor
@@ -40,8 +38,9 @@ from index.keys import DEFAULT_PREFIX, KeyLayout, validate_instance_id, validate
 from index.lease import LeaseSession, cancel_and_wait
 from index.lifecycle import undo_on_failure
 from index.owned import LeasedKeys
+from index.pipeline import BlockPipeline
+from index.presence import Claim, InstancePresence
 from index.record import ENGINE_UNKNOWN, ROLES, InstanceRecord
-from index.shard_session import BlockSession
 from index.shards import IndexShards
 from index.writer import BlockWriter, BlockWriterConfig
 
@@ -139,53 +138,6 @@ class AgentConfig:
                    index_etcd=IndexShards.from_cli_args(args, etcd))
 
 
-class WriterIndex(BlockIndex):
-    """One instance's ``BlockWriter`` seen as a ``BlockIndex`` (what the ingestor writes to).
-
-    Reads answer from the writer's own set (what this agent believes the engine holds), not from
-    etcd; routers read etcd through their mirrors.
-    """
-
-    def __init__(self, writer: BlockWriter) -> None:
-        self.writer = writer
-        self.instance = writer.instance_id
-
-    def _check(self, instance: str) -> None:
-        if instance != self.instance:
-            raise ValueError(f"this index holds instance {self.instance!r} only, not {instance!r}")
-
-    async def add(self, instance: str, parent: int | None, hashes: Sequence[int],
-                  medium: str = GPU) -> None:
-        self._check(instance)
-        self.writer.add(parent, hashes, medium)
-
-    async def remove(self, instance: str, hashes: Sequence[int]) -> None:
-        self._check(instance)
-        self.writer.remove(hashes)
-
-    async def clear(self, instance: str) -> None:
-        self._check(instance)
-        self.writer.clear()
-
-    def lookup(self, hashes: Sequence[int]) -> dict[str, int]:
-        n = 0
-        for h in hashes:
-            if h not in self.writer:
-                break
-            n += 1
-        return {self.instance: n} if n else {}
-
-    def medium(self, instance: str, block_hash: int) -> str | None:
-        entry = self.writer.entry(block_hash) if instance == self.instance else None
-        return None if entry is None else entry[0]
-
-    def blocks(self, instance: str) -> set[int]:
-        return set(self.writer.blocks()) if instance == self.instance else set()
-
-    def instances(self) -> set[str]:
-        return {self.instance} if len(self.writer) else set()
-
-
 class RecordKeeper:
     """Writes the instance record under the agent's lease only while nobody else provides one.
 
@@ -281,21 +233,24 @@ class IndexAgent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         layout = config.layout
-        self.client = EtcdClient(config.etcd)
-        self.session = LeaseSession(self.client, config.lease_ttl)
-        self.blocks = BlockSession(self.session, config.index_etcd, config.instance_id)
-        self.writer = BlockWriter(self.blocks.session, layout, config.model, config.instance_id,
-                                  config.writer)
-        self.ingestor = InstanceIngestor(WriterIndex(self.writer), config.instance_id,
-                                         block_size=config.block_size,
-                                         replay=config.events.replay_endpoint is not None)
-        self.subscriber = KVEventSubscriber(config.events, self.ingestor)
+        iid = config.instance_id
+        self.presence = InstancePresence(
+            EtcdClient(config.etcd), config.lease_ttl,
+            claim=Claim(layout.instance(iid), iid, source=SOURCE), name="agent")
+        self.client = self.presence.client
+        self.session = self.presence.session
+        self.pipeline = BlockPipeline(self.session, config.index_etcd, layout, config.model, iid,
+                                      block_size=config.block_size, sources=[(0, config.events)],
+                                      writer_config=config.writer)
+        self.blocks = self.pipeline.blocks
+        self.writer = self.pipeline.writer
+        self.ingestor, self.subscriber = self.pipeline.subscribed[0]
         self.started_at = time.time()
-        self.record = RecordKeeper(self.session, layout.instance(config.instance_id),
+        self.record = RecordKeeper(self.session, layout.instance(iid),
                                    agent_record(config, self.started_at),
                                    config.record_check_interval)
-        self.publisher = StatsPublisher.with_session(self.session, layout, config.instance_id,
-                                                     self.counters, config.stats_interval)
+        self.publisher = StatsPublisher.with_session(self.session, layout, iid, self.counters,
+                                                     config.stats_interval)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -303,28 +258,20 @@ class IndexAgent:
         steps before it are undone in reverse order (``index.lifecycle``) and the error goes on."""
         cfg = self.config
         async with undo_on_failure() as undo:
-            # The subscriber keeps its socket even when binding fails: close it in any case.
-            undo.push_async_callback(self.subscriber.close)
+            # etcd away: events are indexed in memory and written by the writer's resync once
+            # the lease loop reaches it.
+            await self.presence.claim()
+            # Closed (revoked) after everything below stopped, so nothing renews or rewrites it.
+            undo.push_async_callback(self.presence.close)
+            self.presence.start()
+            undo.push_async_callback(self.pipeline.close)
             try:
-                await self.subscriber.start()
+                await self.pipeline.start()
             except zmq.ZMQError as exc:
                 verb = "bind" if cfg.events.binds else "connect to"
                 raise AgentError(cfg.instance_id, f"cannot {verb} KV-event endpoint "
                                  f"{cfg.events.endpoint}: {exc}; check --kv-events") from None
-            undo.push_async_callback(self.client.close)
-            # etcd away: events are indexed in memory and written by the writer's resync once
-            # the lease loop reaches it.
-            await connect_and_claim(self.client, cfg.layout.instance(cfg.instance_id),
-                                    cfg.instance_id, source=SOURCE)
-            # Revoked after the tasks below are stopped, so nothing renews or rewrites it.
-            undo.push_async_callback(self.session.revoke)
-            self._tasks = []
             undo.push_async_callback(self._stop_tasks)
-            self._tasks.append(asyncio.create_task(self.session.run(), name="agent-lease"))
-            undo.push_async_callback(self.blocks.close)
-            self.blocks.start()
-            undo.push_async_callback(self.writer.close)
-            self._tasks.append(self.writer.start())
             self._tasks.append(asyncio.create_task(self.record.run(), name="agent-record"))
             self._tasks.append(asyncio.create_task(self.publisher.run(), name="agent-stats"))
         logger.info("index agent %s (%s) started: KV events %s %s, etcd %s, blocks on index "
@@ -338,13 +285,9 @@ class IndexAgent:
 
     async def close(self, revoke: bool = True) -> None:
         """Stop; with ``revoke`` every key of the instance is deleted now (clean shutdown)."""
-        await self.subscriber.close()
-        await self.writer.close()
-        await self.blocks.close(revoke)
+        await self.pipeline.close(revoke)
         await self._stop_tasks()
-        if revoke:
-            await self.session.revoke()
-        await self.client.close()
+        await self.presence.close(revoke)
 
     async def __aenter__(self) -> IndexAgent:
         await self.start()
@@ -389,7 +332,7 @@ def counters_doc(model: str, ingestor: InstanceIngestor | Sequence[InstanceInges
     """The stats-key document of one ingesting instance (``kvatlas index stats`` reads it).
 
     For any process that ingests KV events into a ``BlockWriter`` (this agent, a sidecar, or an
-    engine indexing its own cache through ``WriterIndex``): pass it as the source of a
+    engine indexing its own cache, all through ``index.pipeline``): pass it as the source of a
     ``StatsPublisher``, e.g. ``lambda: counters_doc(model, ingestor, writer)``. Several
     ingestors (one per attention-DP rank, each its own event stream) are summed; ``state`` is
     the first one not ``synced``, and ``last_seq`` is per rank when there are several.
@@ -421,16 +364,3 @@ def counters_doc(model: str, ingestor: InstanceIngestor | Sequence[InstanceInges
         doc["received"] = sum(sub.received for sub in subs)
         doc["publishers"] = sum(sub.publishers for sub in subs)
     return doc
-
-
-async def run_agent(config: AgentConfig, stop: asyncio.Event | None = None) -> dict[str, Any]:
-    """Run an agent until ``stop`` is set (forever without one); returns its final ``stats()``."""
-    agent = IndexAgent(config)
-    await agent.start()
-    try:
-        await (stop.wait() if stop is not None else asyncio.Event().wait())
-    finally:
-        stats = agent.stats()
-        await agent.close()
-    return stats
-

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Protocol
 
 GPU = "GPU"
 _MEDIUM_RE = re.compile(r"[A-Za-z0-9_.-]{1,32}")
@@ -18,6 +19,21 @@ _MEDIUM_RE = re.compile(r"[A-Za-z0-9_.-]{1,32}")
 def valid_medium(medium: object) -> bool:
     """A medium name the etcd value format can carry: 1-32 ASCII letters, digits or ``_.-``."""
     return isinstance(medium, str) and _MEDIUM_RE.fullmatch(medium) is not None
+
+
+class BlockSink(Protocol):
+    """Where one instance's ingestion writes: synchronous, in memory, no instance argument (the
+    sink is that instance's). ``index.writer.BlockWriter`` is one (it coalesces the changes and
+    writes them to etcd in the background); ``index.dp_union.DPUnion``'s views are others."""
+
+    def add(self, parent: int | None, hashes: Sequence[int], medium: str = GPU) -> None:
+        """The instance holds ``hashes`` (consecutive blocks after ``parent``) on ``medium``."""
+
+    def remove(self, hashes: Sequence[int]) -> None:
+        """The instance no longer holds ``hashes``; unknown ones are ignored."""
+
+    def clear(self) -> None:
+        """The instance holds nothing."""
 
 
 class BlockIndex(ABC):

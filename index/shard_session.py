@@ -8,8 +8,8 @@ independent on purpose: a shard that is down costs the blocks' freshness, never 
 (routers keep routing the instance on load), and the main etcd being down does not stop the
 blocks from being written.
 
-Every writer of blocks (the index agent, the sidecar, the engine's prefill) opens one with
-``open_block_session``, so the rule is written once.
+Every writer of blocks (the index agent, the sidecar, the engine's prefill) opens one through
+``index.pipeline``, so the rule is written once.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import logging
 
 from index.etcd import EtcdClient
 from index.lease import LeaseSession, cancel_and_wait
+from index.presence import revoke_within
 from index.shards import IndexShards
 
 logger = logging.getLogger(__name__)
@@ -56,24 +57,7 @@ class BlockSession:
         task, self._task = self._task, None
         await cancel_and_wait(task)
         if revoke:
-            try:
-                await asyncio.wait_for(self.session.revoke(), timeout=3.0)
-            except TimeoutError:
-                logger.warning("revoking the block lease on index shard %d (%s) timed out; its "
-                               "blocks expire with the lease TTL", self.shard, self.endpoint)
+            await revoke_within(self.session, what=f"block lease on index shard {self.shard} "
+                                f"({self.endpoint})")
         with contextlib.suppress(Exception):
             await self.client.close()
-
-
-def open_block_session(stack: contextlib.AsyncExitStack, main: LeaseSession,
-                       shards: IndexShards, instance_id: str) -> BlockSession:
-    """A started ``BlockSession`` closed (and revoked) with ``stack``. Open it before the
-    writer that uses it: the stack unwinds newest first, so the writer stops before the lease
-    it writes under is revoked."""
-    blocks = BlockSession(main, shards, instance_id)
-    stack.push_async_callback(blocks.close)
-    blocks.start()
-    if blocks.own:
-        logger.info("instance %s writes its blocks to index shard %d (%s)", instance_id,
-                    blocks.shard, blocks.endpoint)
-    return blocks

@@ -40,8 +40,8 @@ from index.etcd import EtcdClient
 from index.follow import Entry, PrefixFollower
 from index.framing import finite_number, pack, strict_int, unpack
 from index.keys import KeyLayout, validate_instance_id
-from index.lease import LeaseSession, cancel_and_wait
-from index.owned import LeasedKeys
+from index.lease import cancel_and_wait
+from index.presence import InstancePresence
 from router.errors import RouterError
 
 logger = logging.getLogger(__name__)
@@ -137,9 +137,13 @@ class PredictionPublisher:
         self.router_id = router_id
         self.window = window
         self.stats = stats or ShareStats()
-        self.session = LeaseSession(client, lease_ttl)
         # The ring is this router's alone: a previous run's slots are swept on the first sync.
-        self.keys = LeasedKeys(self.session, [layout.predictions_prefix(router_id)])
+        # The client is the router's: it outlives this presence.
+        self.presence = InstancePresence(client, lease_ttl,
+                                         owned_prefixes=[layout.predictions_prefix(router_id)],
+                                         owns_client=False, name="predictions")
+        self.session = self.presence.session
+        self.keys = self.presence.keys
         self._buffer: list[PeerPrediction] = []
         self._wake = asyncio.Event()
         self._slot = 0
@@ -151,15 +155,14 @@ class PredictionPublisher:
         self._wake.set()
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self.session.run(), name="predictions-lease"),
-                       loop.create_task(self.keys.run(), name="predictions-keys"),
-                       loop.create_task(self._flush_loop(), name="predictions-flush")]
+        self.presence.start()
+        self._tasks = [asyncio.get_running_loop().create_task(self._flush_loop(),
+                                                              name="predictions-flush")]
 
     async def close(self) -> None:
         await cancel_and_wait(*self._tasks)
         self._tasks = []
-        await self.session.revoke()
+        await self.presence.close()
 
     async def _flush_loop(self) -> None:
         while True:

@@ -24,16 +24,15 @@ import zmq
 
 from bootstrap.client import BootstrapClient, BootstrapClientConfig
 from bootstrap.errors import BadResponse
-from index.agent import WriterIndex, counters_doc
+from index.agent import counters_doc
 from index.agent_stats import StatsPublisher
 from index.claim import connect_and_claim, ensure_id_free
-from index.dp_union import DPUnion, subscribe_dp_ranks
 from index.etcd import EtcdClient
 from index.events.subscriber import KVEventSubscriber
-from index.lease import Backoff, LeaseSession, cancel_and_wait
+from index.lease import Backoff, cancel_and_wait
 from index.lifecycle import undo_on_failure
-from index.owned import LeasedKeys
-from index.shard_session import open_block_session
+from index.pipeline import BlockPipeline, open_block_pipeline
+from index.presence import InstancePresence
 from index.writer import BlockWriter
 from sidecar.config import SidecarConfig, http_base
 from sidecar.errors import SidecarError
@@ -56,11 +55,16 @@ class Attachment:
         self.config = cfg
         self.info = info
         self.started_at = time.time()
-        self.session = LeaseSession(sidecar.client, cfg.lease_ttl)
         layout = cfg.layout
         self.record_key = layout.instance(cfg.instance_id)
         # The rank range is swept of keys a previous run left; the record key is always wanted.
-        self.keys = LeasedKeys(self.session, [layout.ranks_prefix(cfg.instance_id)])
+        # The client is the sidecar's: the id was claimed once, and it outlives attachments.
+        self.presence = InstancePresence(sidecar.client, cfg.lease_ttl,
+                                         owned_prefixes=[layout.ranks_prefix(cfg.instance_id)],
+                                         owns_client=False, name="sidecar")
+        self.session = self.presence.session
+        self.keys = self.presence.keys
+        self.pipeline: BlockPipeline | None = None
         self.writer: BlockWriter | None = None
         self.subscribed: list[Any] = []
         self.stats: StatsPublisher | None = None
@@ -105,34 +109,29 @@ class Attachment:
         async with undo_on_failure() as undo:
             undo.push_async_callback(stack.aclose)
             # Revoked last, after every writer under it stopped (the stack closes in reverse).
-            stack.push_async_callback(self._revoke)
+            stack.push_async_callback(self.presence.close)
             stack.push_async_callback(self._stop_tasks)
             if self.ranks is not None:
                 await self.ranks.poll()  # BadResponse: not SGLang's topology document
             self.publish()
             if cfg.events is not None:
-                blocks = open_block_session(stack, self.session, cfg.index_etcd, cfg.instance_id)
-                self.writer = BlockWriter(blocks.session, cfg.layout, cfg.model, cfg.instance_id)
-                stack.push_async_callback(self.writer.close)
-                union = DPUnion(WriterIndex(self.writer))
                 try:
-                    self.subscribed = await subscribe_dp_ranks(
-                        union, cfg.instance_id, cfg.event_sources(), cfg.block_size, stack)
+                    pipeline = await open_block_pipeline(
+                        stack, self.session, cfg.index_etcd, cfg.layout, cfg.model,
+                        cfg.instance_id, block_size=cfg.block_size, sources=cfg.event_sources())
                 except zmq.ZMQError as exc:
                     raise SidecarError(cfg.instance_id, f"cannot bind KV-event endpoint "
                                        f"{cfg.events.endpoint} (or a DP rank's port + r): {exc}; "
                                        "check --kv-events and --dp-size") from None
-                ingestors = [i for i, _ in self.subscribed]
-                subs = [s for _, s in self.subscribed]
+                self.pipeline, self.writer = pipeline, pipeline.writer
+                self.subscribed = pipeline.subscribed
+                ingestors, subs = pipeline.ingestors, pipeline.subscribers
                 await self._await_publishers(subs)
                 writer = self.writer
                 self.stats = StatsPublisher.with_session(
                     self.session, cfg.layout, cfg.instance_id,
                     lambda: counters_doc(cfg.model, ingestors, writer, subs))
-            self._spawn(self.session.run(), "sidecar-lease")
-            self._spawn(self.keys.run(), "sidecar-keys")
-            if self.writer is not None:
-                self._tasks.append(self.writer.start())
+            self.presence.start()
             if self.stats is not None:
                 self._spawn(self.stats.run(), "sidecar-stats")
             if self.ranks is not None:
@@ -164,12 +163,6 @@ class Attachment:
         await cancel_and_wait(*self._tasks)
         self._tasks = []
 
-    async def _revoke(self) -> None:
-        try:
-            await asyncio.wait_for(self.session.revoke(), timeout=3.0)
-        except TimeoutError:
-            logger.warning("lease revoke timed out; the keys expire with the lease TTL")
-
     async def close(self) -> None:
         """Stop everything; the lease is revoked, so record, ranks and blocks vanish now."""
         await self._stack.aclose()
@@ -199,7 +192,10 @@ class Attachment:
         grace (False: the caller detaches)."""
         cfg, probe = self.config, self.sidecar.probe
         while not stop.is_set():
-            dead = next((t for t in self._tasks if t.done() and not t.cancelled()), None)
+            tasks = self.presence.tasks + self._tasks
+            if self.pipeline is not None and self.pipeline.writer_task is not None:
+                tasks.append(self.pipeline.writer_task)
+            dead = next((t for t in tasks if t.done() and not t.cancelled()), None)
             if dead is not None:
                 # A lease, key, writer or poller task that ended would freeze what etcd shows:
                 # start over under a new lease instead.

@@ -40,15 +40,12 @@ from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, rank_route, s
 from engine.ranks.replica import ReplicatedScheduler
 from engine.ranks.uplink import UplinkServer
 from engine.runner import AsyncEngine
-from index.agent import WriterIndex
-from index.dp_union import DPUnion, subscribe_dp_ranks
 from index.events.endpoints import offset_endpoint
 from index.events.feed import EventFeed
-from index.events.ingest import InstanceIngestor
 from index.events.publisher import KVEventPublisher, PublisherConfig
 from index.events.subscriber import SubscriberConfig
 from index.keys import KeyLayout
-from index.shard_session import open_block_session
+from index.pipeline import open_block_pipeline
 from index.writer import BlockWriter
 from transfer import KVSender, TensorPageSource, TransferError, create_sender
 
@@ -379,28 +376,20 @@ async def start_bootstrap(cfg: PDConfig, ranks: RankContext, bport: int,
     mirror = bapp[BOOTSTRAP_STATE].mirror
     if mirror is None:
         return None, None
-    blocks = open_block_session(stack, mirror.session, cfg.index_etcd, bcfg.instance_id)
-    writer = BlockWriter(blocks.session, KeyLayout(prefix=cfg.etcd_prefix),
-                         cfg.engine.model_name, bcfg.instance_id)
-    writer.start()
-    stack.push_async_callback(writer.close)
-    union = DPUnion(WriterIndex(writer))
-    feed = EventFeed(InstanceIngestor(union.view(0), bcfg.instance_id,
-                                      block_size=cfg.engine.page_size))
-    feed.start()
-    stack.push_async_callback(feed.close)
-    await subscribe_dp_groups(cfg, ranks, union, bcfg.instance_id, stack)
-    return writer, feed.sink
-
-
-async def subscribe_dp_groups(cfg: PDConfig, ranks: RankContext, union: DPUnion,
-                              instance_id: str, stack: contextlib.AsyncExitStack) -> None:
-    """World rank 0: index the other DP groups' prefix caches too (their KV events)."""
+    # Every DP group's prefix cache: this one's fed in process, the others' by their KV events.
     sources = [(dp, SubscriberConfig(
         endpoint=endpoint,
         replay_endpoint=ranks.replay_endpoints[dp] if dp < len(ranks.replay_endpoints) else None))
         for dp, endpoint in enumerate(ranks.event_endpoints) if dp > 0 and endpoint is not None]
-    await subscribe_dp_ranks(union, instance_id, sources, cfg.engine.page_size, stack)
+    pipeline = await open_block_pipeline(
+        stack, mirror.session, cfg.index_etcd, KeyLayout(prefix=cfg.etcd_prefix),
+        cfg.engine.model_name, bcfg.instance_id, block_size=cfg.engine.page_size,
+        sources=sources, local=True)
+    assert pipeline.local is not None
+    feed = EventFeed(pipeline.local)
+    feed.start()
+    stack.push_async_callback(feed.close)
+    return pipeline.writer, feed.sink
 
 
 def create_prefill_app(cfg: PDConfig, ranks: RankContext | None = None) -> web.Application:

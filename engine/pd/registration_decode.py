@@ -2,23 +2,18 @@
 that routers find it and drop it when the instance dies."""
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
 
 from engine.pd.config import PDConfig
 from engine.ranks.dist import RankInfo
-from index.claim import ensure_id_free
-from index.errors import EtcdError, InstanceIdInUse
 from index.etcd import EtcdClient
 from index.keys import KeyLayout
-from index.lease import LeaseSession
-from index.owned import LeasedKeys
+from index.presence import Claim, InstancePresence
 from index.record import DECODE, InstanceRecord
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 def decode_record(cfg: PDConfig, info: RankInfo, served: dict[str, Any] | None = None
@@ -35,45 +30,28 @@ def decode_record(cfg: PDConfig, info: RankInfo, served: dict[str, Any] | None =
 
 
 class DecodeRecord:
+    """The record under its own ``InstancePresence``: ``claim()`` first (before anything runs
+    that a refusal would have to stop), ``start()`` once serving, ``close()`` at the end."""
+
     def __init__(self, cfg: PDConfig, info: RankInfo, served: dict[str, Any] | None = None
                  ) -> None:
         assert cfg.etcd is not None and cfg.instance_id is not None
         self.layout = KeyLayout(prefix=cfg.etcd_prefix)
-        self.client = EtcdClient(cfg.etcd)
-        self.session = LeaseSession(self.client, cfg.lease_ttl)
-        self.keys = LeasedKeys(self.session, [])
         self.instance_id = cfg.instance_id
         self.key = self.layout.instance(cfg.instance_id)
+        self.presence = InstancePresence(EtcdClient(cfg.etcd), cfg.lease_ttl,
+                                         claim=Claim(self.key, cfg.instance_id), name="decode")
+        self.client = self.presence.client
         self.record = decode_record(cfg, info, served)
-        self.keys.set(self.key, self.record.to_json())
-        self._tasks: list[asyncio.Task[None]] = []
+        self.presence.keys.set(self.key, self.record.to_json())
 
     async def claim(self) -> None:
         """Connect; InstanceIdInUse when a live process holds the id (etcd away: go on)."""
-        try:
-            await self.client.connect()
-        except EtcdError as exc:
-            log.warning("etcd not reachable at start, retrying: %s", exc)
-            return
-        try:
-            await ensure_id_free(self.client, self.key, self.instance_id)
-        except InstanceIdInUse:
-            await self.client.close()
-            raise
+        await self.presence.claim()
 
     async def start(self) -> None:
         """Publish the record (after ``claim``) and keep it under the lease."""
-        self._tasks = [asyncio.create_task(self.session.run(), name="decode-lease"),
-                       asyncio.create_task(self.keys.run(), name="decode-record")]
+        self.presence.start()
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        try:
-            await asyncio.wait_for(self.session.revoke(), 3.0)
-        except (TimeoutError, EtcdError):
-            log.warning("decode lease revoke failed; the record expires with the lease TTL")
-        await self.client.close()
+        await self.presence.close()

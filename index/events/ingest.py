@@ -48,7 +48,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from index.block_index import GPU, BlockIndex, valid_medium
+from index.block_index import GPU, BlockIndex, BlockSink, valid_medium
 from index.events.pacing import TimeSlice
 from index.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from index.hashing import DEFAULT_BLOCK_SIZE, block_hashes, namespace_seed
@@ -104,7 +104,7 @@ class IngestStats:
 class InstanceIngestor:
     """Applies one engine's KV-event batches, in sequence order, to ``index`` under ``instance``."""
 
-    def __init__(self, index: BlockIndex, instance: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
+    def __init__(self, index: BlockIndex | BlockSink, instance: str, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  replay: bool = False, max_engine_hashes: int = 4_000_000,
                  max_held_back: int = 10_000) -> None:
         if block_size < 1:
@@ -113,6 +113,9 @@ class InstanceIngestor:
             raise ValueError(f"max_engine_hashes must be >= 1, got {max_engine_hashes}")
         self.index = index
         self.instance = instance
+        # A BlockSink (this instance's writer, a DP union's view) is written synchronously; a
+        # shared BlockIndex (several instances, e.g. an in-process one) is awaited.
+        self._sink = None if isinstance(index, BlockIndex) else index
         self.block_size = block_size
         self.replay = replay
         self.max_engine_hashes = max_engine_hashes
@@ -227,12 +230,30 @@ class InstanceIngestor:
             # Live copies of everything applied so far may still be queued in the SUB socket.
             self._dup_range = (self._dup_range[0], self.stats.last_seq)
 
+    async def _add(self, parent: int | None, hashes: list[int], medium: str) -> None:
+        if self._sink is not None:
+            self._sink.add(parent, hashes, medium)
+        else:
+            await self.index.add(self.instance, parent, hashes, medium)  # type: ignore[union-attr]
+
+    async def _remove(self, hashes: list[int]) -> None:
+        if self._sink is not None:
+            self._sink.remove(hashes)
+        else:
+            await self.index.remove(self.instance, hashes)  # type: ignore[union-attr]
+
+    async def _clear(self) -> None:
+        if self._sink is not None:
+            self._sink.clear()
+        else:
+            await self.index.clear(self.instance)  # type: ignore[union-attr]
+
     async def _reset(self) -> None:
         self._own.clear()
         self._media.clear()
         self.stats.clears += 1
         try:
-            await self.index.clear(self.instance)
+            await self._clear()
         except Exception:
             self.stats.index_errors += 1
             log.exception("instance %s: clearing the index failed", self.instance)
@@ -328,9 +349,9 @@ class InstanceIngestor:
                 runs.append((best, prev_own, [o]))
             prev_own = o
         if stale:
-            await self.index.remove(self.instance, stale)
+            await self._remove(stale)
         for best, parent, hashes in runs:
-            await self.index.add(self.instance, parent, hashes, best)
+            await self._add(parent, hashes, best)
         if len(table) > self.max_engine_hashes:
             await self._evict(len(table) - self.max_engine_hashes)
         return None
@@ -346,7 +367,7 @@ class InstanceIngestor:
             owns.append(table.pop(e))
             self._media.pop(e, None)
         self.stats.evicted += len(owns)
-        await self.index.remove(self.instance, owns)
+        await self._remove(owns)
 
     async def _removed(self, ev: BlockRemoved) -> str | None:
         """Drop the medium the event names (all media when it names none); a block leaves the
@@ -384,9 +405,9 @@ class InstanceIngestor:
                 moved.append((_best(rest), parent, o))
         self.stats.unknown_removed += unknown
         if gone:
-            await self.index.remove(self.instance, gone)
+            await self._remove(gone)
         for medium, parent, o in moved:
-            await self.index.add(self.instance, parent, [o], medium)
+            await self._add(parent, [o], medium)
         return None
 
 

@@ -58,7 +58,7 @@ async def test_a_failed_start_closes_what_it_opened(
     if step == "connect":
         monkeypatch.setattr(EtcdClient, "connect", raising(step))  # the test's client is connected
     elif step == "claim":
-        monkeypatch.setattr("bootstrap.mirror.connect_and_claim", raising(step))
+        monkeypatch.setattr("index.presence.connect_and_claim", raising(step))
     elif step == "lease":
         monkeypatch.setattr(LeaseSession, "run", raising(step))
     elif step == "mirror":

@@ -25,7 +25,7 @@ import engine.server as mono
 from engine.pd import prefill
 from engine.pd.state import RankContext
 from engine.runner import AsyncEngine
-from index import dp_union
+from index import pipeline
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout
 from kvatlas.etcd_proc import free_port
@@ -55,10 +55,10 @@ STEPS: list[tuple[str, Any, str, int]] = [
     ("group_leader", prefill, "start_group_leader", 1),
     ("sender", prefill, "create_sender", 1),
     ("bootstrap_server", prefill, "make_runner", 1),
-    ("index_writer", prefill, "BlockWriter", 1),
+    ("index_writer", pipeline, "BlockWriter", 1),
     ("event_feed", prefill, "EventFeed", 1),
-    # the other DP groups' subscribers are made by index.dp_union.subscribe_dp_ranks
-    ("second_subscriber", dp_union, "KVEventSubscriber", 2),
+    # the other DP groups' subscribers are made by index.pipeline.BlockPipeline
+    ("second_subscriber", pipeline, "KVEventSubscriber", 2),
     ("put_route", prefill, "put_route", 1),
     ("bootstrap_client", prefill, "BootstrapClient", 1),
     ("model_path", mono, "prepare_model_path", 1),

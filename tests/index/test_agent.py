@@ -11,16 +11,14 @@ from agent_helpers import closers, eventually, publish_all, run_cli, tcp  # noqa
 from kv_sim import SimEngine
 from waiting import wait_until
 
-from index.agent import AgentConfig, AgentError, IndexAgent, WriterIndex
+from index.agent import AgentConfig, AgentError, IndexAgent
 from index.agent_stats import stats_key
 from index.etcd import EtcdClient, EtcdSettings
 from index.events.publisher import KVEventPublisher, PublisherConfig
 from index.events.subscriber import SubscriberConfig
 from index.hashing import block_hashes
 from index.keys import KeyLayout, dumps, loads
-from index.lease import LeaseSession
 from index.mirror import BlockMirror
-from index.writer import BlockWriter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -209,20 +207,3 @@ def test_agent_config_filters_topics_by_model() -> None:
     assert cfg.events.model == "m" and cfg.block_size == 16 and cfg.role == "prefill"
 
 
-async def test_writer_index_is_the_instance_view_of_its_writer(etcd_endpoint: str) -> None:
-    # Only the in-memory side of the writer is used here: its set changes without waiting for etcd.
-    client = EtcdClient(EtcdSettings.from_text(etcd_endpoint))
-    writer = BlockWriter(LeaseSession(client), KeyLayout(), MODEL, "p-3")
-    idx = WriterIndex(writer)
-    hs = block_hashes(PROMPT, BS)
-    await idx.add("p-3", None, hs[:4])
-    await idx.add("p-3", hs[3], hs[4:6], "CPU")
-    assert idx.lookup(hs) == {"p-3": 6} and idx.lookup(hs[6:]) == {}
-    assert (idx.medium("p-3", hs[0]), idx.medium("p-3", hs[5]), idx.medium("p-3", hs[7])) == \
-        ("GPU", "CPU", None)
-    await idx.remove("p-3", [hs[2]])
-    assert idx.lookup(hs) == {"p-3": 2} and idx.blocks("p-3") == set(hs[:6]) - {hs[2]}
-    with pytest.raises(ValueError, match="p-3"):
-        await idx.add("other", None, hs[:1])
-    await idx.clear("p-3")
-    assert idx.instances() == set() and len(writer) == 0

@@ -29,7 +29,7 @@ IID = "agent-start"
 STEPS = [
     ("subscriber", KVEventSubscriber, "start"),
     ("connect", EtcdClient, "connect"),
-    ("claim", None, "index.agent.connect_and_claim"),
+    ("claim", None, "index.presence.connect_and_claim"),
     ("lease", LeaseSession, "run"),
     ("writer", BlockWriter, "start"),
     ("record", None, "record"),

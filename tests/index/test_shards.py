@@ -17,7 +17,7 @@ from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout
 from index.lease import LeaseSession, cancel_and_wait
 from index.mirror import BlockMirror, BlockMirrorConfig
-from index.shard_session import BlockSession, open_block_session
+from index.shard_session import BlockSession
 from index.sharded import ShardedIndex
 from index.shards import MAX_SHARDS, IndexShards
 from index.writer import BlockWriter
@@ -113,14 +113,16 @@ async def shards(etcd_endpoint: str, etcd_shard: EtcdCluster,
 
 class Instance:
     """One instance as a writer of blocks runs it: a lease in the main etcd (for its record)
-    and its blocks written through ``open_block_session``."""
+    and its blocks written under its ``BlockSession`` (as ``index.pipeline`` wires it)."""
 
     def __init__(self, main: EtcdClient, shards: IndexShards, layout: KeyLayout,
                  instance_id: str) -> None:
         self.id = instance_id
         self.main = LeaseSession(main, ttl=5)
         self.stack = contextlib.AsyncExitStack()
-        self.blocks: BlockSession = open_block_session(self.stack, self.main, shards, instance_id)
+        self.blocks = BlockSession(self.main, shards, instance_id)
+        self.stack.push_async_callback(self.blocks.close)
+        self.blocks.start()
         self.writer = BlockWriter(self.blocks.session, layout, MODEL, instance_id)
         self.stack.push_async_callback(self.writer.close)
         self.main_task = asyncio.create_task(self.main.run())
