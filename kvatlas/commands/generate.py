@@ -20,6 +20,7 @@ from kvatlas.commands._prompt import add_prompt_args
 from kvatlas.commands.route import (
     SEND_IDS_HELP,
     add_router_args,
+    error_message,
     prompt_body,
     router_url,
     unreachable,
@@ -93,8 +94,8 @@ async def _generate(url: str, path: str, body: dict[str, Any], args: argparse.Na
             if resp.status != 200:
                 text = await resp.text()
                 try:
-                    text = json.loads(text).get("error", text)
-                except (ValueError, AttributeError):
+                    text = error_message(json.loads(text))
+                except ValueError:
                     pass
                 raise CLIError(f"router answered {resp.status}: {text} (request {rid})")
             if not args.stream:

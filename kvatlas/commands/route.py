@@ -74,6 +74,13 @@ def unreachable(url: str, exc: BaseException, timeout: float) -> Exception:
                     "cluster status), or pass --router/--run-dir")
 
 
+def error_message(doc: Any) -> Any:
+    """The message of an error answer: ``error`` as a string (SGLang routes) or OpenAI's
+    ``{"error": {"message", ...}}`` object; the document itself when it is neither."""
+    err = doc.get("error", doc) if isinstance(doc, dict) else doc
+    return err.get("message", err) if isinstance(err, dict) else err
+
+
 def _find_url(state: object) -> str | None:
     if not isinstance(state, dict):
         return None
@@ -161,7 +168,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     except (TimeoutError, aiohttp.ClientError) as exc:
         raise unreachable(url, exc, args.timeout) from None
     if status != 200:
-        raise CLIError(f"router answered {status}: {decision.get('error', decision)}")
+        raise CLIError(f"router answered {status}: {error_message(decision)}")
     if args.json:
         print(json.dumps(decision, indent=2))
     else:
