@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 
 import httptools
 
+from router.errors import error_body, openai_route
 from router.http.headers import header_name
 from router.http.messages import Request, Response, Stream, json_response, response_head
 
@@ -254,8 +255,9 @@ class HttpProtocol(asyncio.Protocol):
                         # Part of a chunked body went out: ending it would pass for complete.
                         self.close()
                         return
-                    answer = json_response({"error": "internal router error (see its log)"},
-                                           500)
+                    answer = json_response(error_body(
+                        500, "internal router error (see its log)",
+                        openai=openai_route(request.path)), 500)
                 # A stopping server ends each connection after its answer in flight.
                 close = not request.keep_alive or self.server.stopping
                 if isinstance(answer, Stream):
@@ -347,7 +349,9 @@ class HttpProtocol(asyncio.Protocol):
         """Answer a protocol-level mistake and close: the byte stream can't be trusted now."""
         if self.closing:
             return
-        body = json.dumps({"error": message}).encode()
+        # In the shape of the route it was sent to, as far as its head came in.
+        openai = openai_route(self._url.decode("latin-1"))
+        body = json.dumps(error_body(status, message, openai=openai)).encode()
         self.write(response_head(status, "application/json", len(body), None, True) + body)
         self._linger()
         if self.server.on_reject is not None:

@@ -85,3 +85,18 @@ async def test_the_routers_own_answers_take_the_routes_shape(stubs: Any,
     assert "not allowed" in error_object("/v1/completions", await resp.json())["message"]
     resp = await client.get("/nope")
     assert resp.status == 404 and "/nope" in error_message("/nope", await resp.json())
+
+
+async def test_a_body_over_the_limit_is_refused_in_the_routes_shape(stubs: Any,
+                                                                   make_router: Any) -> None:
+    """Refused by the HTTP layer before any handler ran (its head named the route)."""
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await make_router([p], [d], model="tiny", max_body=4096)
+    async with _sdk(client) as sdk:
+        with pytest.raises(openai.APIStatusError) as big:
+            await sdk.completions.create(model="tiny", prompt="a" * 5000, max_tokens=2)
+    assert big.value.status_code == 413 and "the limit is 4096 bytes" in big.value.message
+    assert big.value.type == "invalid_request_error"
+    resp = await client.post("/generate", data=b'{"text": "' + b"a" * 5000 + b'"}')
+    assert resp.status == 413 and "4096" in error_message("/generate", await resp.json())
+    assert not p.bodies and not d.bodies
