@@ -13,11 +13,19 @@ one shard of many is down, and ``connected`` only while every shard is.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Hashable, Sequence
 
+from index.errors import EtcdError
+from index.etcd import EtcdClient
+from index.keys import KeyLayout
 from index.mirror import BlockMirror
 from index.reader import IndexReader, IndexStatus, InstanceDetail, ShardStatus
+from index.shards import IndexShards
 from index.tiers import TierMatch
+
+logger = logging.getLogger(__name__)
 
 
 class ShardedIndex(IndexReader):
@@ -109,3 +117,31 @@ class ShardedIndex(IndexReader):
     def shards(self) -> list[ShardStatus]:
         return [ShardStatus(i, m.client.endpoint, m.status(), len(m.instance_ids()))
                 for i, m in enumerate(self.mirrors)]
+
+
+async def open_reader(stack: contextlib.AsyncExitStack, client: EtcdClient, layout: KeyLayout,
+                      model: str | None, shards: IndexShards) -> IndexReader:
+    """The read side of the block index, started and closed with ``stack``: a ``BlockMirror``
+    of ``client``'s etcd, or (``shards`` sharded, ``--index-etcd``) one mirror per shard, each
+    on its own client, read as one ``ShardedIndex``. etcd away is no error: each mirror's loop
+    connects later (``model``: the one model to follow, None for all)."""
+    if not shards.sharded:
+        mirror = BlockMirror(client, layout, model)
+        stack.push_async_callback(mirror.close)
+        mirror.start()
+        return mirror
+    mirrors = []
+    for i, settings in enumerate(shards.clusters):
+        shard_client = EtcdClient(settings)
+        stack.push_async_callback(shard_client.close)
+        try:
+            await shard_client.connect()
+        except EtcdError as exc:
+            logger.warning("index shard %d (%s) not reachable at start (%s); its mirror "
+                           "retries in the background", i, settings.display, exc)
+        mirror = BlockMirror(shard_client, layout, model)
+        stack.push_async_callback(mirror.close)
+        mirror.start()
+        mirrors.append(mirror)
+    logger.info("following the block index on %d shards: %s", len(mirrors), shards.describe())
+    return ShardedIndex(mirrors)

@@ -17,9 +17,7 @@ from typing import Any
 
 from index.errors import EtcdError
 from index.etcd import EtcdClient
-from index.mirror import BlockMirror
-from index.reader import IndexReader
-from index.sharded import ShardedIndex
+from index.sharded import open_reader
 from router import handlers
 from router.admission import Admission
 from router.config import RouterConfig
@@ -191,39 +189,12 @@ class RouterApp:
                 # The mirror and discovery loops keep retrying; static workers serve meanwhile.
                 logger.warning("etcd not reachable at start (%s); retrying in the background",
                                exc)
-            state.index = await self._index(client, stack)
+            state.index = await open_reader(stack, client, cfg.layout, cfg.model, cfg.index_etcd)
             state.discovery = InstanceDiscovery(client, cfg.layout, state.pools, cfg.model)
             stack.push_async_callback(state.discovery.close)
             state.discovery.start()
             self._share_predictions(client, stack)
             yield
-
-    async def _index(self, client: EtcdClient, stack: contextlib.AsyncExitStack
-                     ) -> IndexReader:
-        """The block index mirror: of the main etcd, or (``--index-etcd``) one per shard, each
-        with its own client, read as one."""
-        cfg = self.config
-        if not cfg.index_etcd.sharded:
-            mirror = BlockMirror(client, cfg.layout, cfg.model)
-            stack.push_async_callback(mirror.close)
-            mirror.start()
-            return mirror
-        mirrors = []
-        for i, settings in enumerate(cfg.index_etcd.clusters):
-            shard_client = EtcdClient(settings)
-            stack.push_async_callback(shard_client.close)
-            try:
-                await shard_client.connect()
-            except EtcdError as exc:
-                logger.warning("index shard %d (%s) not reachable at start (%s); its mirror "
-                               "retries in the background", i, settings.display, exc)
-            mirror = BlockMirror(shard_client, cfg.layout, cfg.model)
-            stack.push_async_callback(mirror.close)
-            mirror.start()
-            mirrors.append(mirror)
-        logger.info("following the block index on %d shards: %s", len(mirrors),
-                    cfg.index_etcd.describe())
-        return ShardedIndex(mirrors)
 
     def _share_predictions(self, client: EtcdClient, stack: contextlib.AsyncExitStack) -> None:
         """kv_aware: publish this router's predictions, follow the other routers'."""

@@ -18,7 +18,7 @@ from index.keys import KeyLayout
 from index.lease import LeaseSession, cancel_and_wait
 from index.mirror import BlockMirror, BlockMirrorConfig
 from index.shard_session import BlockSession
-from index.sharded import ShardedIndex
+from index.sharded import ShardedIndex, open_reader
 from index.shards import MAX_SHARDS, IndexShards
 from index.writer import BlockWriter
 from kvatlas.etcd_proc import EtcdCluster
@@ -283,3 +283,29 @@ def test_cli_flag_parses_clusters(etcd_endpoint: str) -> None:
     got = IndexShards.from_cli_args(args, EtcdSettings())
     assert [c.endpoints for c in got.clusters] == [("h1:1", "h2:2"), ("h3:3",), ("h4:4",)]
     assert IndexShards.from_cli_args(parser.parse_args([]), EtcdSettings()) == IndexShards()
+
+
+async def test_open_reader_reads_every_shard_or_the_main_etcd(
+        etcd: EtcdClient, shards: IndexShards, layout: KeyLayout,
+        instances: list[Instance]) -> None:
+    """``open_reader``, the read side a router opens: one mirror per shard read as one, or the
+    main etcd's mirror without shards; everything it opened closes with its stack."""
+    on0, on1 = ids_on(shards, 0, 1), ids_on(shards, 1, 1)
+    for k, iid in enumerate(on0 + on1):
+        inst = Instance(etcd, shards, layout, iid)
+        instances.append(inst)
+        inst.writer.add(None, chain(k))
+    for inst in instances:
+        assert await inst.writer.wait_synced(10), f"{inst.id}'s blocks never reached its shard"
+    async with contextlib.AsyncExitStack() as stack:
+        index = await open_reader(stack, etcd, layout, MODEL, shards)
+        assert isinstance(index, ShardedIndex)
+        for k, iid in enumerate(on0 + on1):
+            blocks = chain(k)
+            await wait_until(lambda b=blocks, i=iid: index.match(MODEL, b) == {i: 8},
+                             what=f"the reader matches {iid}'s 8 blocks")
+        assert len(index.shards()) == 2
+    async with contextlib.AsyncExitStack() as stack:
+        main = await open_reader(stack, etcd, layout, MODEL, IndexShards())
+        assert isinstance(main, BlockMirror)
+        await wait_until(lambda: main.status().ready, what="the main-etcd mirror loaded")
