@@ -2,8 +2,9 @@
 
 ``create_app(config)`` builds the model, pool, cache and scheduler in the app's cleanup context,
 starts the engine loop and (with ``kv_events``) the KV-event publisher, and tears all of it down on
-shutdown. Bad input is a 400 with ``{"error": ...}``; a request that can never fit the KV pool is a
-503; nothing a client sends can stop the process.
+shutdown. Bad input is a 400 with ``{"error": ...}`` (OpenAI's error object on ``/v1/`` routes,
+``engine.http_common.error_middleware``); a request that can never fit the KV pool is a 503;
+nothing a client sends can stop the process.
 """
 from __future__ import annotations
 
