@@ -1,9 +1,9 @@
 """An index agent whose start fails at any step leaves nothing behind (real etcd, real ZMQ).
 
-``IndexAgent.start`` starts, in order: the KV-event subscriber (a bound SUB socket), the etcd
-client, the id claim, the lease task, the block writer, the instance-record task and the stats
-task. A failure is injected at each step; afterwards no task runs, the subscriber's port can be
-bound again, and etcd holds nothing of the instance.
+``IndexAgent.start`` starts, in order: its presence (the etcd client, the id claim, the lease
+task), its block pipeline (the block writer, then the KV-event subscriber: a bound SUB socket),
+the instance-record task and the stats task. A failure is injected at each step; afterwards no
+task runs, the subscriber's port can be bound again, and etcd holds nothing of the instance.
 """
 from __future__ import annotations
 
