@@ -2,8 +2,10 @@
 
 Keys are kvatlas's own chained block hashes (``index.hashing``) of one model namespace, so a
 block hash identifies its whole prefix and a lookup only has to walk the prompt's blocks in order.
-Backends: ``index.memory`` (in-process) and ``index.etcd_index`` (a per-instance etcd writer plus a
-watched mirror). One contract test suite runs against both.
+Backends: ``tests/memory_index.py`` (in-process) and ``tests/etcd_block_index.py`` (a per-instance
+etcd writer plus a watched mirror), the references the test suites check ingestion and the mirror
+against; no service writes through ``BlockIndex`` (they write a ``BlockSink``, the
+``BlockWriter`` of ``index/pipeline.py``). One contract test suite runs against both.
 """
 from __future__ import annotations
 

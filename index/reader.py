@@ -2,8 +2,8 @@
 
 The router decides *which* model a request means (its config, the models its pools serve); the
 index answers per model. Implemented by ``index.mirror.BlockMirror`` (the etcd mirror, one model
-or all of them) and ``index.memory.MemoryBlockIndex`` (one model, in process); one contract
-suite (tests/index/reader_contract.py) runs against both.
+or all of them), ``index.sharded.ShardedIndex``, and the tests' ``memory_index.MemoryBlockIndex``
+(one model, in process); one contract suite (tests/index/reader_contract.py) runs against each.
 
 Method names differ from ``BlockIndex``'s (``lookup(hashes)``, ``instances()``) on purpose: both
 classes implement both interfaces, and the older ones take no model.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from memory_index import MemoryBlockIndex
 
 from engine.config import get_model_config
 from engine.prefix_cache import PrefixCache
@@ -14,7 +15,6 @@ from engine.sampling import SamplingParams
 from engine.scheduler import Request
 from index.events.ingest import InstanceIngestor
 from index.events.types import KVEventBatch
-from index.memory import MemoryBlockIndex
 
 CFG = get_model_config("tiny")
 PAGE = 16

@@ -11,13 +11,13 @@ import pytest
 import zmq
 import zmq.asyncio
 from error_shapes import error_message
+from memory_index import MemoryBlockIndex
 
 from engine.http_common import STATE_KEY
 from engine.serve_config import EngineServerConfig
 from engine.server import create_app
 from index.events.codec import END_SEQ, decode_payload
 from index.events.ingest import InstanceIngestor
-from index.memory import MemoryBlockIndex
 from kvatlas.etcd_proc import free_port
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,6 +9,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from engine_helpers import greedy, requests, shared_prefix_prompts
+from memory_index import MemoryBlockIndex
 
 from engine.config import get_model_config
 from engine.kv_pool import KVPool
@@ -19,7 +20,6 @@ from index.events.codec import END_SEQ, decode_payload, decode_seq
 from index.events.ingest import InstanceIngestor
 from index.events.publisher import KVEventPublisher, PublisherConfig
 from index.events.types import AllBlocksCleared, BlockRemoved, BlockStored
-from index.memory import MemoryBlockIndex
 from kvatlas.etcd_proc import free_port
 
 TINY = get_model_config("tiny")

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 from agent_helpers import wait_until
 from block_index_contract import BlockIndexContract
+from etcd_block_index import EtcdBlockIndex
 
 from index.etcd import Delete, EtcdClient, EtcdSettings, Put
-from index.etcd_index import EtcdBlockIndex
 from index.keys import KeyLayout
 from index.lease import LeaseSession
 from index.mirror import BlockMirror, BlockMirrorConfig

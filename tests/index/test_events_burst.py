@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from agent_helpers import closers, publish_all, tcp  # noqa: F401 (closers: a fixture)
 from event_burst import make_burst
+from memory_index import MemoryBlockIndex
 from waiting import wait_until
 
 from index.agent import AgentConfig, IndexAgent
@@ -18,7 +19,6 @@ from index.events.subscriber import SubscriberConfig
 from index.events.types import BlockStored
 from index.hashing import block_hashes
 from index.keys import KeyLayout, loads
-from index.memory import MemoryBlockIndex
 from index.segments import held_blocks
 
 pytestmark = pytest.mark.timeout(240)

@@ -8,12 +8,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kv_sim import SimEngine, block_key, branching_prompts, own, stamped
+from memory_index import MemoryBlockIndex
 
 from index.events.codec import decode_payload, encode_payload
 from index.events.ingest import InstanceIngestor, ReplayRequest
 from index.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from index.hashing import block_hashes, namespace_seed
-from index.memory import MemoryBlockIndex
 
 BS = 4
 PROMPT = list(range(100, 100 + 6 * BS))  # 6 full blocks

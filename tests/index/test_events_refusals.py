@@ -7,17 +7,17 @@ from collections.abc import Sequence
 
 import msgpack
 import pytest
+from etcd_block_index import EtcdBlockIndex
 from kv_sim import SimEngine, own
+from memory_index import MemoryBlockIndex
 
 from index.etcd import EtcdClient
-from index.etcd_index import EtcdBlockIndex
 from index.events.codec import decode_payload, encode_payload
 from index.events.errors import MalformedEvent
 from index.events.ingest import InstanceIngestor
 from index.events.types import BlockStored, KVEvent, KVEventBatch
 from index.hashing import block_hashes, namespace_seed
 from index.keys import KeyLayout
-from index.memory import MemoryBlockIndex
 from index.mirror import BlockMirrorConfig
 from index.writer import BlockWriterConfig
 

@@ -10,6 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from kv_sim import SimEngine, own
+from memory_index import MemoryBlockIndex
 from waiting import wait_until
 
 from index.events.codec import END_SEQ, decode_payload, encode_message, encode_payload
@@ -18,7 +19,6 @@ from index.events.ingest import InstanceIngestor
 from index.events.publisher import KVEventPublisher, PublisherConfig
 from index.events.subscriber import KVEventSubscriber, SubscriberConfig
 from index.events.types import AllBlocksCleared, BlockStored, KVEvent, KVEventBatch
-from index.memory import MemoryBlockIndex
 from kvatlas.etcd_proc import free_port
 
 BS = 4

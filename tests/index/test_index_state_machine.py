@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from etcd_block_index import EtcdBlockIndex
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -21,7 +22,6 @@ from hypothesis.stateful import (
 )
 
 from index.etcd import EtcdClient, EtcdSettings
-from index.etcd_index import EtcdBlockIndex
 from index.keys import KeyLayout
 from index.mirror import BlockMirror, BlockMirrorConfig
 from index.writer import BlockWriterConfig

@@ -24,10 +24,10 @@ from hypothesis import assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kv_sim import SimEngine, block_key, branching_prompts, own, stamped
+from memory_index import MemoryBlockIndex
 
 from index.events.ingest import InstanceIngestor, ReplayRequest
 from index.events.types import AllBlocksCleared, KVEvent, KVEventBatch
-from index.memory import MemoryBlockIndex
 
 BS = 4
 BUFFER = 5

@@ -9,9 +9,8 @@ from block_index_contract import BlockIndexContract
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from memory_index import MemoryBlockIndex
 from table_backends import longest_prefixes
-
-from index.memory import MemoryBlockIndex
 
 
 class TestMemoryBlockIndex(BlockIndexContract):

@@ -8,11 +8,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
+from etcd_block_index import EtcdBlockIndex
 from waiting import wait_until
 
 from index.errors import EtcdRequestError
 from index.etcd import Delete, EtcdClient, EtcdSettings, Put, WatchBatch, WatchEvent
-from index.etcd_index import EtcdBlockIndex
 from index.keys import KeyLayout
 from index.lease import LeaseSession
 from index.mirror import BlockMirror, BlockMirrorConfig

@@ -6,12 +6,12 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
+from etcd_block_index import EtcdBlockIndex
+from memory_index import MemoryBlockIndex
 from reader_contract import MODEL, ReaderContract, chain_of
 
 from index.etcd import Delete, EtcdClient, EtcdSettings
-from index.etcd_index import EtcdBlockIndex
 from index.keys import KeyLayout
-from index.memory import MemoryBlockIndex
 from index.mirror import BlockMirror, BlockMirrorConfig
 from index.reader import IndexReader
 from index.sharded import ShardedIndex

@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from etcd_block_index import EtcdBlockIndex
 from etcd_instances import wait_for
+from memory_index import MemoryBlockIndex
 from router_stubs import encode_text
 
-from index.etcd_index import EtcdBlockIndex
 from index.hashing import block_hashes
-from index.memory import MemoryBlockIndex
 from router.breaker import CircuitBreaker
 from router.canary import CANARY_BLOCKS, MAX_PENDING, Canaries
 from router.config import RouterConfig

@@ -8,10 +8,10 @@ import logging
 from typing import Any
 
 import pytest
+from etcd_block_index import EtcdBlockIndex
 from etcd_instances import wait_for
 from router_stubs import encode_text
 
-from index.etcd_index import EtcdBlockIndex
 from index.hashing import BASE_SEED, block_hashes, namespace_seed
 from router.config import RouterConfig
 from router.index_guards import (

@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from etcd_block_index import EtcdBlockIndex
 from etcd_instances import wait_for
 from router_stubs import encode_text
 from waiting import wait_until
 
 from index.etcd import EtcdClient, EtcdSettings
-from index.etcd_index import EtcdBlockIndex
 from index.hashing import block_hashes
 from index.shards import IndexShards
 from kvatlas.etcd_proc import EtcdCluster

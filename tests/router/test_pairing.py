@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from etcd_block_index import EtcdBlockIndex
 from etcd_instances import wait_for
 from router_stubs import encode_text
 
-from index.etcd_index import EtcdBlockIndex
 from index.hashing import block_hashes
 from router.config import RouterConfig
 from router.limits import stated_limits

@@ -1,7 +1,7 @@
 """In-process ``BlockIndex`` backend: a thin async wrapper around ``index.table.BlockTable``.
 
-Used by a single router without etcd, by tests, and as the reference the etcd backend is checked
-against. Writes are applied at once, so a read after an awaited write always sees it.
+The tests' reference: the etcd backend, the ingestor and the mirror are checked against it.
+Writes are applied at once, so a read after an awaited write always sees it.
 """
 from __future__ import annotations
 
