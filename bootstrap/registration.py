@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 PUT_TRIES = 5
 
@@ -53,7 +53,7 @@ async def put_route(bootstrap_url: str, body: dict[str, Any], tries: int = PUT_T
                         break  # a refused registration does not heal by retrying
             except (TimeoutError, aiohttp.ClientError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
-            log.info("PUT %s/route try %d/%d failed: %s", bootstrap_url, attempt, tries, last)
+            logger.info("PUT %s/route try %d/%d failed: %s", bootstrap_url, attempt, tries, last)
             if attempt < tries:
                 await asyncio.sleep(delay)
                 delay *= 2

@@ -23,7 +23,7 @@ from engine.scheduler import RequestOutput
 from engine.serve_config import EngineServerConfig
 from tokenization.base import Tokenizer
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.1
 """How often a non-streaming handler checks that its client is still connected."""
@@ -88,7 +88,7 @@ async def error_middleware(request: web.Request,
     except Exception as exc:  # the process never dies for one request
         if isinstance(exc, EngineError) and (code := error_status(exc)) is not None:
             return shaped(request, error_answer(exc, code))
-        log.exception("%s %s failed", request.method, request.path)
+        logger.exception("%s %s failed", request.method, request.path)
         return shaped(request, json_error(500, f"internal error: {type(exc).__name__}: {exc}"))
 
 

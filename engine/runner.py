@@ -27,7 +27,7 @@ from engine.scheduler import Request, RequestOutput, Scheduler
 from index.events.types import KVEvent
 from tokenization.base import Tokenizer
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 EventSink = Callable[[list[KVEvent]], None]
 
@@ -41,7 +41,7 @@ def load_model(spec: ModelSpec, device: str = "cpu", kv_heads: range | None = No
     tok = load_tokenizer(spec.tokenizer_source)
     model = Transformer.from_spec(spec, device=device, kv_heads=kv_heads)
     if model.cfg.vocab_size < tok.vocab_size:
-        log.warning("model %s has %d embedding rows for a tokenizer of %d ids; ids past its "
+        logger.warning("model %s has %d embedding rows for a tokenizer of %d ids; ids past its "
                     "embedding are refused", spec.served_name, model.cfg.vocab_size,
                     tok.vocab_size)
     return model, tok
@@ -197,7 +197,7 @@ class AsyncEngine:
             try:
                 outputs, events = await self.call(self._step)  # type: ignore[misc]
             except Exception:  # the loop must survive anything a step throws
-                log.exception("engine step failed")
+                logger.exception("engine step failed")
                 await asyncio.sleep(0.05)
                 continue
             for out in outputs:
@@ -218,7 +218,7 @@ class AsyncEngine:
         try:
             self.event_sink(events)
         except Exception:
-            log.exception("publishing %d KV events failed", n)
+            logger.exception("publishing %d KV events failed", n)
             return
         self.events_published += n
 

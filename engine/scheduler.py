@@ -28,7 +28,7 @@ from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplingParams, TextStream, banned_ids, make_generator, sample
 from tokenization.base import Tokenizer
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -254,7 +254,7 @@ class Scheduler:
         try:
             logits = self.model.forward(chunks, self.pool).cpu()
         except Exception as exc:  # never let one bad batch kill the engine
-            log.exception("forward failed for %d requests", len(plan))
+            logger.exception("forward failed for %d requests", len(plan))
             return [self._fail(req, f"forward failed: {exc}") for req, _ in plan]
         outputs = []
         stats = StepStats(seconds=0.0)
@@ -270,7 +270,7 @@ class Scheduler:
                 try:
                     token = sample(row, req.params, req.gen, self.banned)
                 except Exception as exc:
-                    log.exception("sampling failed for request %s", req.rid)
+                    logger.exception("sampling failed for request %s", req.rid)
                     outputs.append(self._fail(req, f"sampling failed: {exc}"))
                     continue
             req.computed += n
@@ -280,7 +280,7 @@ class Scheduler:
             try:
                 outputs.append(self._emit(req, token))
             except Exception as exc:
-                log.exception("emitting a token failed for request %s", req.rid)
+                logger.exception("emitting a token failed for request %s", req.rid)
                 outputs.append(self._fail(req, f"output failed: {exc}"))
         self.totals["prefill_computed_tokens"] += stats.prefill_tokens
         stats.seconds = time.perf_counter() - t0

@@ -50,7 +50,7 @@ from engine.scheduler import RequestOutput, Scheduler
 from engine.serve_config import EngineServerConfig
 from tokenization import tokenizer_record
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 HEALTH_PROMPT = "health"
 """The text ``/health_generate`` prefills (by the engine's tokenizer) to generate one token."""
@@ -265,7 +265,7 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
                                      make_registry(engine, cfg.model_name), model_path,
                                      time.time())
         await engine.start()
-        log.info("engine %s (%s) ready: %d KV pages of %d tokens, model_path %s, tokenizer %s",
+        logger.info("engine %s (%s) ready: %d KV pages of %d tokens, model_path %s, tokenizer %s",
                  cfg.model_name, cfg.mode, cfg.kv_pages, cfg.page_size, model_path,
                  tokenizer_record(sched.tokenizer))
         try:

@@ -27,7 +27,7 @@ from typing import Any
 from tokenization.base import Tokenizer, TokenizerError
 from tokenization.derived import cache_entry, publish_dir
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 VERSION = "1"
 """Bumped when the conversion changes, so cached conversions are rebuilt."""
@@ -80,7 +80,7 @@ def load_gguf_tokenizer(path: Path) -> Tokenizer:
         try:
             publish_dir(target, fill)  # False: another process made it first, use its copy
         except OSError as exc:
-            log.warning("could not cache the tokenizer of %s under %s: %s", path, target, exc)
+            logger.warning("could not cache the tokenizer of %s under %s: %s", path, target, exc)
             target = None
     if target is None or not (target / "tokenizer.json").is_file():
         from tokenization.hf import HFTokenizer

@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenization.base import Tokenizer, TokenizerError
 from tokenization.hf_dir import load_hf_dir
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 BYTE = "byte"
 

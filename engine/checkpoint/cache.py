@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 VERSION = "1"
 """Bumped when what is cached changes (names, layout, unpermuting)."""
@@ -63,7 +63,7 @@ def build_lock(path: Path | None) -> Iterator[None]:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o644)
     except OSError as e:
-        log.warning("checkpoint cache %s not usable (%s); loading without it", path.parent, e)
+        logger.warning("checkpoint cache %s not usable (%s); loading without it", path.parent, e)
         yield
         return
     try:
@@ -83,9 +83,9 @@ def write(path: Path | None, arrays: dict[str, np.ndarray], metadata: dict[str, 
     try:
         publish_file(path, lambda tmp: save_file(arrays, str(tmp), metadata=metadata))
     except OSError as e:
-        log.warning("could not write checkpoint cache %s: %s", path, e)
+        logger.warning("could not write checkpoint cache %s: %s", path, e)
         return False
-    log.info("checkpoint cache written: %s", path)
+    logger.info("checkpoint cache written: %s", path)
     return True
 
 

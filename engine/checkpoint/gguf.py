@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 _LAYER_NAMES = {
@@ -147,7 +147,7 @@ def _dequantize(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         elif cfg["architecture"] == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             a = unpermute(a, cfg["num_kv_heads"])
         out[name] = np.ascontiguousarray(a)
-    log.info("GGUF %s: parsed and dequantized %d tensors in %.2f s", path.name, len(out),
+    logger.info("GGUF %s: parsed and dequantized %d tensors in %.2f s", path.name, len(out),
              time.perf_counter() - t0)
     return cfg, out
 
@@ -188,6 +188,6 @@ def load_gguf_weights(path: str | Path, config: ModelConfig | None = None
     else:
         assert target is not None
         weights = cache.load(target)
-    log.info("GGUF %s: weights loaded in %.2f s (%s)", path.name, time.perf_counter() - t0,
+    logger.info("GGUF %s: weights loaded in %.2f s (%s)", path.name, time.perf_counter() - t0,
              "dequantized" if arrays is not None else f"cache {target}")
     return weights

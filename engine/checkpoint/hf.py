@@ -19,7 +19,7 @@ from engine.config import ModelConfig
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 _QKV_BIAS_DEFAULT = {"LlamaForCausalLM": False, "Qwen2ForCausalLM": True,
                      "Qwen3ForCausalLM": False}
@@ -90,5 +90,5 @@ def load_safetensors_weights(path: str | Path) -> dict[str, torch.Tensor]:
                 if key.endswith("rotary_emb.inv_freq"):  # a buffer older exports saved
                     continue
                 out[key] = sf.get_tensor(key)
-    log.info("safetensors %s: %d tensors loaded in %.2f s", path, len(out), time.perf_counter() - t0)
+    logger.info("safetensors %s: %d tensors loaded in %.2f s", path, len(out), time.perf_counter() - t0)
     return out

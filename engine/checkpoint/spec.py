@@ -16,7 +16,7 @@ from tokenization import assets
 from tokenization.assets import ALIASES, SMOLLM2_NAME
 from tokenization.base import TokenizerError
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 SMOLLM2_ALIASES = frozenset({*(a for a, n in ALIASES.items() if n == SMOLLM2_NAME),
                              SMOLLM2_NAME})
@@ -126,5 +126,5 @@ def _from_gguf(path: Path, served_name: str | None, dtype: str | None) -> ModelS
     cfg = config_from_gguf(path)
     name = served_name or path.stem
     cfg = replace(cfg, name=name, dtype=dtype or "float32")
-    log.debug("model %s: GGUF %s", name, path)
+    logger.debug("model %s: GGUF %s", name, path)
     return ModelSpec(cfg, name, str(path), "gguf", str(path))

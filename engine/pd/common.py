@@ -28,7 +28,7 @@ from tokenization import tokenizer_record
 from transfer import KVLayout
 from transfer.layout import dtype_from_name
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 ROUTER_HINT = "send PD requests through the router"
 

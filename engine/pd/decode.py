@@ -40,7 +40,7 @@ from engine.runner import AsyncEngine
 from engine.scheduler import Request
 from transfer import HeartbeatMonitor, ReceiveResult, create_receiver
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -271,7 +271,7 @@ def ensure_monitor(ds: DecodeState, boot: Bootstrap) -> None:
 
     async def dead(reason: str) -> None:
         rooms = ds.rank.fail_prefill(addr, f"prefill {addr} declared dead: {reason}")
-        log.warning("prefill %s declared dead (%s); failed rooms %s", addr, reason, rooms)
+        logger.warning("prefill %s declared dead (%s); failed rooms %s", addr, reason, rooms)
         if ds.ranks.info.tp_size > 1:
             await ds.engine.call(ds.replica.transfer, ("fail_prefill", addr, reason))
 
@@ -283,7 +283,7 @@ async def forget_prefill(ds: DecodeState, addr: str, reason: str) -> None:
     """The process behind bootstrap ``addr`` changed: drop what every decode rank cached."""
     rooms = ds.rank.fail_prefill(addr, f"prefill {addr} restarted: {reason}")
     if rooms:
-        log.warning("prefill %s restarted (%s); failed rooms %s", addr, reason, rooms)
+        logger.warning("prefill %s restarted (%s); failed rooms %s", addr, reason, rooms)
     if ds.ranks.info.tp_size > 1:
         await ds.engine.call(ds.replica.transfer, ("fail_prefill", addr, reason))
 
@@ -403,7 +403,7 @@ async def start_decode(app: web.Application, stack: contextlib.AsyncExitStack) -
                                 lambda addr, why: forget_prefill(ds, addr, why))
         restarts = asyncio.create_task(watch.run(), name="decode-prefill-restarts")
         stack.push_async_callback(cancel_and_wait, restarts)
-    log.info("decode %s rank %s ready", cfg.instance_id, info.name)
+    logger.info("decode %s rank %s ready", cfg.instance_id, info.name)
 
 
 async def cancel_and_wait(task: asyncio.Task[None]) -> None:

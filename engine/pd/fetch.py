@@ -27,7 +27,7 @@ from engine.pd.config import PDConfig
 from engine.ranks.dist import RankInfo
 from transfer import KVReceiver, ReceiveResult, TransferError
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 OnStage = Callable[[str, dict[str, Any]], None]
 
@@ -76,7 +76,7 @@ class DecodeRank:
         except FetchError as exc:
             if not cached or exc.stage == "verified":
                 raise
-            log.info("room %s: %s with cached state for prefill %s; re-resolving once",
+            logger.info("room %s: %s with cached state for prefill %s; re-resolving once",
                      boot.room, exc.reason, boot.addr)
             self.drop(boot.addr)
             self.retries += 1

@@ -49,7 +49,7 @@ from index.pipeline import open_block_pipeline
 from index.writer import BlockWriter
 from transfer import KVSender, TensorPageSource, TransferError, create_sender
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -340,7 +340,7 @@ async def start_prefill(app: web.Application, stack: contextlib.AsyncExitStack) 
     await start_engine(app, stack, cfg, engine, replica, "prefill")
     # At a stop the sender closes first, failing the rooms still open, before the engine stops.
     stack.push_async_callback(close_sender)
-    log.info("prefill %s rank %s ready: KV sender %s, bootstrap %s:%d", cfg.instance_id,
+    logger.info("prefill %s rank %s ready: KV sender %s, bootstrap %s:%d", cfg.instance_id,
              info.name, sender.endpoint, cfg.engine.host, bport)
 
 

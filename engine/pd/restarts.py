@@ -27,7 +27,7 @@ from index.follow import Entry, PrefixFollower
 from index.keys import KeyLayout
 from index.record import PREFILL, InstanceRecord
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 OnChange = Callable[[str, str], Awaitable[None]]
 """``(bootstrap address "host:port", reason)``."""
@@ -98,8 +98,8 @@ class PrefillRestarts(PrefixFollower):
 
     async def _changed(self, addr: str, reason: str) -> None:
         self.changes += 1
-        log.info("prefill %s: %s; dropping cached topology, ranks and connections", addr, reason)
+        logger.info("prefill %s: %s; dropping cached topology, ranks and connections", addr, reason)
         try:
             await self.on_change(addr, reason)
         except Exception:  # one bad callback must not stop following etcd
-            log.exception("dropping cached state of prefill %s failed", addr)
+            logger.exception("dropping cached state of prefill %s failed", addr)

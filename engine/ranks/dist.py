@@ -20,7 +20,7 @@ import torch
 
 from engine.model import Combine, ordered_sum
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 #: Followers wait for the leader's next command without a deadline: an idle instance is fine.
 IDLE_TIMEOUT = timedelta(days=7)
@@ -156,7 +156,7 @@ class Dist:
             try:
                 dist.destroy_process_group()
             except Exception:  # tearing down after a peer died must not mask the real error
-                log.debug("destroy_process_group failed", exc_info=True)
+                logger.debug("destroy_process_group failed", exc_info=True)
 
 
 def die_with_parent() -> None:

@@ -37,7 +37,7 @@ from engine.scheduler import Scheduler
 from transfer import KVLayout, TensorPageSource, TransferError, create_receiver, create_sender
 from transfer.tuning import tune_host_allocator
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 CONFIRM_S = 2.0
@@ -50,11 +50,11 @@ class RankWatch:
         if self._stopping.wait(self.confirm_s):
             return
         self.dead = by_sentinel[ready[0]]  # type: ignore[index]
-        log.error("rank process %s exited (code %s): stopping this instance, which cannot "
+        logger.error("rank process %s exited (code %s): stopping this instance, which cannot "
                   "serve without it; restart the instance", self.dead.name, self.dead.exitcode)
         os.kill(os.getpid(), signal.SIGTERM)
         if self._stopping.wait(self.grace_s):
             return
-        log.error("the instance did not stop within %.0f s of losing a rank: exiting now",
+        logger.error("the instance did not stop within %.0f s of losing a rank: exiting now",
                   self.grace_s)
         os._exit(1)

@@ -21,7 +21,7 @@ from engine.ranks.dist import Dist
 from engine.sampling import make_generator
 from engine.scheduler import Request, RequestOutput, Scheduler
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 STOP = ("stop",)
 
@@ -133,9 +133,9 @@ def follow(sched: Scheduler, dist: Dist, on_transfer: Callable[[tuple[Any, ...]]
             elif kind == "transfer":
                 on_transfer(op[1])
             else:
-                log.error("unknown replicated call %r", kind)
+                logger.error("unknown replicated call %r", kind)
         except Exception:  # the leader hit the same error; stay in lockstep
-            log.debug("replicated %s raised", kind, exc_info=True)
+            logger.debug("replicated %s raised", kind, exc_info=True)
 
 
 #: Transfer commands the engine thread waits for before it runs the next replicated call.
@@ -160,6 +160,6 @@ def loop_handoff(loop: asyncio.AbstractEventLoop,
         try:
             done.result(WAITED_OP_TIMEOUT_S)
         except Exception:  # timed out or raised: the call that follows must still run
-            log.warning("transfer %s of room %s did not finish in the event loop", op[0],
+            logger.warning("transfer %s of room %s did not finish in the event loop", op[0],
                         op[1] if len(op) > 1 else None, exc_info=True)
     return hand

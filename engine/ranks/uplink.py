@@ -16,7 +16,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 Report = dict[str, Any]
 COUNTED = ("send", "receive")
@@ -62,7 +62,7 @@ class UplinkServer:
                 rep = msgpack.unpackb(raw)
                 key = (rep["kind"], int(rep["room"]))
             except Exception:
-                log.warning("dropping a malformed rank report")
+                logger.warning("dropping a malformed rank report")
                 continue
             self._reports.setdefault(key, []).append(rep)
             if key[0] in COUNTED:  # a fixed set of keys, whatever a report says

@@ -32,7 +32,7 @@ import numpy as np
 from index.events.errors import MalformedEvent
 from index.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 U64 = 2**64 - 1
 MAX_TOKEN_ID = 2**32 - 1
@@ -159,7 +159,7 @@ def decode_event(ev: Any, limits: DecodeLimits = DEFAULT_LIMITS) -> KVEvent | No
         return AllBlocksCleared()
     if not isinstance(tag, str):
         raise MalformedEvent("bad_event", f"event tag must be a string, got {tag!r:.40}")
-    log.debug("skipping KV event of unknown type %r", tag)
+    logger.debug("skipping KV event of unknown type %r", tag)
     return None
 
 

@@ -11,7 +11,7 @@ from index.events.ingest import InstanceIngestor
 from index.events.pacing import TimeSlice
 from index.events.types import KVEvent, KVEventBatch
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 class EventFeed:
@@ -41,7 +41,7 @@ class EventFeed:
             self._queue.put_nowait((seq, list(events)))
         except asyncio.QueueFull:
             if not self.dropped:
-                log.warning("instance %s: %d KV-event batches wait to be indexed; dropping "
+                logger.warning("instance %s: %d KV-event batches wait to be indexed; dropping "
                             "(the index resyncs the instance)", self.ingestor.instance,
                             self._queue.maxsize)
             self.dropped += 1
@@ -57,7 +57,7 @@ class EventFeed:
             try:
                 await self.ingestor.on_batch(seq, KVEventBatch(ts=time.time(), events=events))
             except Exception:
-                log.exception("indexing KV event batch %d failed", seq)
+                logger.exception("indexing KV event batch %d failed", seq)
             await self._slice.tick()
 
     async def close(self) -> None:

@@ -53,7 +53,7 @@ from index.events.pacing import TimeSlice
 from index.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from index.hashing import DEFAULT_BLOCK_SIZE, block_hashes, namespace_seed
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 State = Literal["synced", "replaying", "resyncing"]
 _GPU_ONLY = frozenset((GPU,))
@@ -167,7 +167,7 @@ class InstanceIngestor:
             if replayed or self._is_duplicate(seq, batch):
                 self.stats.duplicates += 1
                 return None
-            log.info("instance %s: sequence went back from %d to %d; engine restarted, clearing",
+            logger.info("instance %s: sequence went back from %d to %d; engine restarted, clearing",
                      self.instance, last, seq)
             self.stats.restarts += 1
             await self._reset()
@@ -180,13 +180,13 @@ class InstanceIngestor:
             self.stats.gaps += 1
             self.stats.dropped += seq - expected
             if self.replay and live:
-                log.info("instance %s: gap (expected seq %d, got %d); replaying",
+                logger.info("instance %s: gap (expected seq %d, got %d); replaying",
                          self.instance, expected, seq)
                 self._replaying = True
                 self.stats.replays += 1
                 self._trigger = (seq, batch)
                 return ReplayRequest(expected)
-            log.warning("instance %s: lost KV events %d..%d; clearing and resyncing",
+            logger.warning("instance %s: lost KV events %d..%d; clearing and resyncing",
                         self.instance, expected, seq - 1)
             await self._reset()
             self._state = "resyncing"
@@ -215,7 +215,7 @@ class InstanceIngestor:
             self._dup_range = (trig_seq, last)
         else:
             self.stats.replay_failures += 1
-            log.warning("instance %s: replay did not reach seq %d; clearing and resyncing",
+            logger.warning("instance %s: replay did not reach seq %d; clearing and resyncing",
                         self.instance, trig_seq)
             await self._reset()
             self._state = "resyncing"
@@ -256,7 +256,7 @@ class InstanceIngestor:
             await self._clear()
         except Exception:
             self.stats.index_errors += 1
-            log.exception("instance %s: clearing the index failed", self.instance)
+            logger.exception("instance %s: clearing the index failed", self.instance)
 
     # -- events ----------------------------------------------------------------------------
 
@@ -277,7 +277,7 @@ class InstanceIngestor:
                 # One event the index cannot take must not look like lost events: count it and
                 # go on, so the sequence number still advances.
                 self.stats.index_errors += 1
-                log.exception("instance %s: applying %s of seq %d failed", self.instance,
+                logger.exception("instance %s: applying %s of seq %d failed", self.instance,
                               type(ev).__name__, seq)
                 reason = "index_error"
             if reason is None:

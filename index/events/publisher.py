@@ -27,7 +27,7 @@ from index.events.codec import END_SEQ, Encoding, encode_payload
 from index.events.endpoints import bindable, connectable, is_ipv6, parse_tcp, publisher_binds
 from index.events.types import KVEvent, KVEventBatch
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -133,7 +133,7 @@ class KVEventPublisher:
             router.bind(bindable(cfg.replay_endpoint))
             self._replay_task = asyncio.get_running_loop().create_task(
                 self._serve_replay(), name="kv-events-replay")
-        log.info("KV events: publishing on %s%s", cfg.endpoint,
+        logger.info("KV events: publishing on %s%s", cfg.endpoint,
                  f", replay on {cfg.replay_endpoint}" if cfg.replay_endpoint else "")
 
     def last_endpoint(self) -> str:
@@ -188,7 +188,7 @@ class KVEventPublisher:
             frames = await router.recv_multipart()
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
                 self.bad_replay_requests += 1
-                log.warning("KV events: malformed replay request (%d frames); ignored", len(frames))
+                logger.warning("KV events: malformed replay request (%d frames); ignored", len(frames))
                 continue
             ident = frames[0]
             start = int.from_bytes(frames[2], "big")
@@ -198,7 +198,7 @@ class KVEventPublisher:
             except (TimeoutError, zmq.ZMQError) as exc:
                 # The consumer went away or stopped reading; it will time out and resync.
                 self.failed_replays += 1
-                log.warning("KV events: replay from %d abandoned: %s", start, exc)
+                logger.warning("KV events: replay from %d abandoned: %s", start, exc)
 
     async def _send_replay(self, router: zmq.asyncio.Socket, ident: bytes, start: int) -> None:
         timeout = self.config.replay_send_timeout

@@ -32,7 +32,7 @@ from index.events.errors import MalformedEvent
 from index.events.ingest import InstanceIngestor, ReplayRequest
 from index.events.pacing import TimeSlice
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -143,7 +143,7 @@ class KVEventSubscriber:
         else:
             sub.connect(connectable(cfg.endpoint))
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kv-events-sub")
-        log.info("KV events for %s: %s %s", self.ingestor.instance,
+        logger.info("KV events for %s: %s %s", self.ingestor.instance,
                  "bound" if cfg.binds else "connected to", cfg.endpoint)
 
     async def _watch_publishers(self) -> None:
@@ -155,13 +155,13 @@ class KVEventSubscriber:
                 self.publishers += 1
                 self.connections += 1
                 self._connected.set()
-                log.info("KV events for %s: a publisher connected (%d now)",
+                logger.info("KV events for %s: a publisher connected (%d now)",
                          self.ingestor.instance, self.publishers)
             elif event == zmq.EVENT_DISCONNECTED:
                 self.publishers = max(0, self.publishers - 1)
                 if not self.publishers:
                     self._connected.clear()
-                log.info("KV events for %s: a publisher disconnected (%d left)",
+                logger.info("KV events for %s: a publisher disconnected (%d left)",
                          self.ingestor.instance, self.publishers)
 
     async def wait_publisher(self, timeout: float) -> bool:
@@ -196,7 +196,7 @@ class KVEventSubscriber:
                 await self.handle(frames)
             except Exception:  # a bug must not silence the instance's events for good
                 self.malformed["internal_error"] += 1
-                log.exception("KV events for %s: unexpected error", self.ingestor.instance)
+                logger.exception("KV events for %s: unexpected error", self.ingestor.instance)
             await self._slice.tick()
 
     async def handle(self, frames: list[bytes], *, replayed: bool = False) -> None:
@@ -207,7 +207,7 @@ class KVEventSubscriber:
             self._check_topic(topic)
         except MalformedEvent as exc:
             self.malformed[exc.reason] += 1
-            log.debug("KV events for %s: dropped: %s", self.ingestor.instance, exc)
+            logger.debug("KV events for %s: dropped: %s", self.ingestor.instance, exc)
             return
         try:
             action = await self.ingestor.on_batch(seq, batch, replayed=replayed)
@@ -215,7 +215,7 @@ class KVEventSubscriber:
             # The index backend failed (e.g. etcd away and the writer refusing): log, count, keep
             # reading; the writer's own resync covers what it could not take.
             self.apply_errors += 1
-            log.exception("KV events for %s: applying seq %d failed", self.ingestor.instance, seq)
+            logger.exception("KV events for %s: applying seq %d failed", self.ingestor.instance, seq)
             return
         if isinstance(action, ReplayRequest):
             await self._replay(action.start_seq)
@@ -257,7 +257,7 @@ class KVEventSubscriber:
                 await self.handle(reply[1:], replayed=True)
                 await self._slice.tick()
         except TimeoutError:
-            log.warning("KV events for %s: replay from %d timed out on %s",
+            logger.warning("KV events for %s: replay from %d timed out on %s",
                         self.ingestor.instance, start_seq, cfg.replay_endpoint)
         finally:
             dealer.close()
