@@ -1,7 +1,7 @@
 """Where the block index lives: one etcd, or several etcd clusters (*shards*) it is spread over.
 
-One etcd carries the block changes of a few hundred busy prefills (README, "How far the index
-goes"). Past that, ``--index-etcd`` names more clusters and the block segments are spread over
+One etcd carries the block changes of a few hundred busy prefills (docs/performance.md, "How far
+the index goes"). Past that, ``--index-etcd`` names more clusters and the block segments are spread over
 them, one instance's blocks all on one shard. Everything else (instance records, rank tables,
 rooms, the routers' predictions) stays in the main etcd (``--etcd``): it is small and every
 component reads it.

@@ -1,6 +1,6 @@
 """One exception root per layer: every exception class a package defines derives from it, so
 a caller can catch "anything this layer raises" and each server maps its tree to HTTP in one
-place (router.handlers.error_response, bootstrap.server's middleware, engine.http_common)."""
+place (router.errors.error_response, bootstrap.server's middleware, engine.http_common)."""
 from __future__ import annotations
 
 import importlib
