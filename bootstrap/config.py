@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bootstrap.http_limits import READ_TIMEOUT_S, check_read_timeout
+from index.access import DEFAULT_LEASE_TTL, ClusterAccess
 from index.etcd import EtcdSettings
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_instance_id, validate_model
 from index.record import PREFILL, InstanceRecord
@@ -38,7 +39,7 @@ class BootstrapConfig:
     """Key prefix in etcd."""
     auth_token: str | None = None
     """When set, PUT and POST need ``Authorization: Bearer <token>``; GETs stay open for decodes."""
-    lease_ttl: int = 10
+    lease_ttl: int = DEFAULT_LEASE_TTL
     """TTL in seconds of the instance lease that all mirrored keys sit under (keepalive every TTL/3)."""
     dp_room_ttl: float = 120.0
     """Seconds a ``/register_dp_rank`` entry (room -> dp rank) lives."""
@@ -55,6 +56,8 @@ class BootstrapConfig:
     """More fields for the etcd instance record (``index.record.InstanceRecord``), e.g. ``url``,
     ``tp_size``: known names fill those fields, others are kept as extra fields; none can
     override what the server itself publishes (id, role, model, bootstrap address, ranks)."""
+    access: ClusterAccess = field(init=False, repr=False, compare=False)
+    """``etcd``, ``etcd_prefix`` and ``lease_ttl`` as one checked ``ClusterAccess``."""
 
     def __post_init__(self) -> None:
         validate_instance_id(self.instance_id)
@@ -63,8 +66,8 @@ class BootstrapConfig:
             raise ValueError("bootstrap host must not be empty (use 127.0.0.1 or 0.0.0.0)")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"bootstrap port {self.port} is outside 1-65535")
-        if self.lease_ttl < 2:
-            raise ValueError(f"lease TTL must be at least 2 s (etcd's minimum), got {self.lease_ttl}")
+        self.access = ClusterAccess(etcd=self.etcd, prefix=self.etcd_prefix,
+                                    lease_ttl=self.lease_ttl)
         if self.dp_room_ttl <= 0 or self.dp_room_sweep_interval <= 0:
             raise ValueError("dp room TTL and sweep interval must be positive")
         if self.dp_room_max_entries < 1:
@@ -74,13 +77,12 @@ class BootstrapConfig:
         check_read_timeout(self.read_timeout_s)
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("auth token must not be empty; omit --auth-token to turn auth off")
-        KeyLayout(prefix=self.etcd_prefix)  # validates the prefix
         # A field of the wrong type fails here, not later on every publish of the record.
         InstanceRecord.build(self.instance_fields, instance_id=self.instance_id, role=PREFILL)
 
     @property
     def layout(self) -> KeyLayout:
-        return KeyLayout(prefix=self.etcd_prefix)
+        return self.access.layout
 
     @property
     def public_host(self) -> str:
@@ -94,7 +96,7 @@ class BootstrapConfig:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """Add the server flags; etcd flags come from the CLI's shared ``add_etcd_args``."""
+        """Add the server flags; the etcd flags are ``ClusterAccess.add_cli_args``."""
         parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
         parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                             help=f"listen port (default {DEFAULT_PORT})")
@@ -105,8 +107,8 @@ class BootstrapConfig:
         parser.add_argument("--auth-token", default=None,
                             help="require 'Authorization: Bearer TOKEN' on PUT and POST "
                                  f"(default: ${AUTH_TOKEN_ENV}, which keeps it out of ps)")
-        parser.add_argument("--lease-ttl", type=int, default=10,
-                            help="etcd lease TTL in seconds (default 10)")
+        parser.add_argument("--lease-ttl", type=int, default=DEFAULT_LEASE_TTL,
+                            help=f"etcd lease TTL in seconds (default {DEFAULT_LEASE_TTL})")
         parser.add_argument("--dp-room-ttl", type=float, default=120.0,
                             help="seconds a room -> dp rank entry lives (default 120)")
         parser.add_argument("--dp-room-max-entries", type=int, default=200_000,
@@ -119,19 +121,21 @@ class BootstrapConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace,
-                      etcd: EtcdSettings | None = None) -> BootstrapConfig:
-        """Build from parsed flags; ``etcd`` is the settings the CLI built from its etcd flags."""
+                      access: ClusterAccess | None = None) -> BootstrapConfig:
+        """Build from parsed flags; ``access`` is what the CLI built from its etcd flags (None
+        or ``--no-mirror``: no mirror)."""
+        access = access or ClusterAccess()
         return cls(
             instance_id=args.instance_id,
             model=args.model,
             host=args.host,
             port=args.port,
             advertise_host=args.advertise_host,
-            etcd=None if getattr(args, "no_mirror", False) else etcd,
-            etcd_prefix=getattr(args, "etcd_prefix", DEFAULT_PREFIX),
+            etcd=None if args.no_mirror else access.etcd,
+            etcd_prefix=access.prefix,
             auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
             lease_ttl=args.lease_ttl,
             dp_room_ttl=args.dp_room_ttl,
             dp_room_max_entries=args.dp_room_max_entries,
-            read_timeout_s=getattr(args, "read_timeout", READ_TIMEOUT_S),
+            read_timeout_s=args.read_timeout,
         )

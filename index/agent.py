@@ -28,6 +28,7 @@ from typing import Any
 
 import zmq
 
+from index.access import DEFAULT_LEASE_TTL, ClusterAccess
 from index.agent_stats import StatsPublisher
 from index.errors import EtcdError, IndexLayerError
 from index.etcd import EtcdClient, EtcdSettings
@@ -77,7 +78,7 @@ class AgentConfig:
     """Role written into the instance record when the agent has to create one."""
     block_size: int = DEFAULT_BLOCK_SIZE
     """Index block size in tokens; events of another size are refused (counted by reason)."""
-    lease_ttl: int = 10
+    lease_ttl: int = DEFAULT_LEASE_TTL
     """Seconds the instance's keys survive the agent's death."""
     stats_interval: float = 1.0
     """Seconds between publications of the counters (only when something changed)."""
@@ -87,6 +88,9 @@ class AgentConfig:
     """How block changes are coalesced into etcd transactions."""
     index_etcd: IndexShards = field(default_factory=IndexShards)
     """The etcd clusters the block index is spread over (``--index-etcd``); none: ``etcd``."""
+    access: ClusterAccess = field(init=False, repr=False, compare=False)
+    """``etcd``, ``etcd_prefix``, ``index_etcd`` and ``lease_ttl`` as one checked
+    ``ClusterAccess``."""
 
     def __post_init__(self) -> None:
         validate_instance_id(self.instance_id)
@@ -94,13 +98,12 @@ class AgentConfig:
         if self.events.model is None:
             # A copy: the caller's SubscriberConfig is not changed behind its back.
             self.events = replace(self.events, model=self.model)
-        KeyLayout(self.etcd_prefix)  # raises on a malformed prefix
+        self.access = ClusterAccess(etcd=self.etcd, prefix=self.etcd_prefix,
+                                    index_shards=self.index_etcd, lease_ttl=self.lease_ttl)
         if self.role not in ROLES:
             raise ValueError(f"role {self.role!r} is invalid: use one of {list(ROLES)}")
         if not 1 <= self.block_size <= 65536:
             raise ValueError(f"block size must be within [1, 65536] tokens, got {self.block_size}")
-        if not 2 <= self.lease_ttl <= 3600:
-            raise ValueError(f"lease TTL must be within [2, 3600] s, got {self.lease_ttl}")
         if not 0.05 <= self.stats_interval <= 3600:
             raise ValueError(f"stats interval must be within [0.05, 3600] s, got {self.stats_interval}")
         if not 0.1 <= self.record_check_interval <= 3600:
@@ -109,7 +112,7 @@ class AgentConfig:
 
     @property
     def layout(self) -> KeyLayout:
-        return KeyLayout(self.etcd_prefix)
+        return self.access.layout
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -121,21 +124,24 @@ class AgentConfig:
                                  "(default prefill)")
         parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                             help=f"index block size in tokens (default {DEFAULT_BLOCK_SIZE})")
-        parser.add_argument("--lease-ttl", type=int, default=10,
-                            help="seconds the instance's keys outlive the agent (default 10)")
+        parser.add_argument("--lease-ttl", type=int, default=DEFAULT_LEASE_TTL,
+                            help="seconds the instance's keys outlive the agent "
+                                 f"(default {DEFAULT_LEASE_TTL})")
         parser.add_argument("--stats-interval", type=float, default=1.0,
                             help="seconds between counter publications (default 1)")
         SubscriberConfig.add_cli_args(parser)
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace, etcd: EtcdSettings) -> AgentConfig:
-        """Build from parsed flags; ``etcd`` is what the CLI built from its etcd flags."""
+    def from_cli_args(cls, args: argparse.Namespace,
+                      access: ClusterAccess | None = None) -> AgentConfig:
+        """Build from parsed flags; ``access`` is what the CLI built from its etcd flags
+        (None: the default etcd and prefix)."""
+        access = access or ClusterAccess()
         return cls(instance_id=args.instance_id, model=args.model,
-                   events=SubscriberConfig.from_cli_args(args), etcd=etcd,
-                   etcd_prefix=getattr(args, "etcd_prefix", DEFAULT_PREFIX), role=args.role,
+                   events=SubscriberConfig.from_cli_args(args), etcd=access.main_etcd,
+                   etcd_prefix=access.prefix, role=args.role,
                    block_size=args.block_size, lease_ttl=args.lease_ttl,
-                   stats_interval=args.stats_interval,
-                   index_etcd=IndexShards.from_cli_args(args, etcd))
+                   stats_interval=args.stats_interval, index_etcd=access.index_shards)
 
 
 class RecordKeeper:

@@ -102,4 +102,4 @@ class IndexShards:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, etcd: EtcdSettings) -> IndexShards:
         """From ``--index-etcd`` (absent: not sharded), with ``etcd``'s credentials and TLS."""
-        return cls.from_texts(getattr(args, "index_etcd", None) or (), etcd)
+        return cls.from_texts(args.index_etcd or (), etcd)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from index.access import ClusterAccess
 from index.etcd import EtcdSettings
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_model
 from index.shards import IndexShards
@@ -159,6 +160,8 @@ class RouterConfig(RoutingSettings, ResilienceSettings):
     """Address of the ``prometheus_port`` listener."""
     uvloop: bool = True
     """Run on uvloop when it is installed (the CLI's --no-uvloop turns it off)."""
+    access: ClusterAccess = field(init=False, repr=False, compare=False)
+    """``etcd``, ``etcd_prefix`` and ``index_etcd`` as one checked ``ClusterAccess``."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= MAX_PORT:
@@ -166,9 +169,8 @@ class RouterConfig(RoutingSettings, ResilienceSettings):
         if self.prometheus_port is not None and not 0 <= self.prometheus_port <= MAX_PORT:
             raise ValueError(f"prometheus port must be within [0, {MAX_PORT}], got "
                              f"{self.prometheus_port}")
-        KeyLayout(prefix=self.etcd_prefix)
-        if self.index_etcd.sharded and self.etcd is None:
-            raise ValueError("--index-etcd needs --etcd (workers are discovered there)")
+        self.access = ClusterAccess(etcd=self.etcd, prefix=self.etcd_prefix,
+                                    index_shards=self.index_etcd)
         if self.model is not None:
             self.model = canonical_model(self.model)
             validate_model(self.model)
@@ -197,7 +199,7 @@ class RouterConfig(RoutingSettings, ResilienceSettings):
 
     @property
     def layout(self) -> KeyLayout:
-        return KeyLayout(prefix=self.etcd_prefix)
+        return self.access.layout
 
     # --- CLI ----------------------------------------------------------------------------------
 
@@ -269,20 +271,22 @@ class RouterConfig(RoutingSettings, ResilienceSettings):
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace,
-                      etcd: EtcdSettings | None = None) -> RouterConfig:
+                      access: ClusterAccess | None = None) -> RouterConfig:
+        """Build from parsed flags; ``access``: the cluster the CLI's etcd flags name (None:
+        static workers only)."""
+        access = access or ClusterAccess()
         prefill: list[tuple[str, int | None]] = []
         for item in args.prefill:
             if len(item) > 2:
                 raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT|none], got {item}")
             prefill.append((item[0], item[1] if len(item) == 2 else None))
         return cls(
-            host=args.host, port=args.port, etcd=etcd,
-            index_etcd=IndexShards.from_cli_args(args, etcd or EtcdSettings()),
-            etcd_prefix=getattr(args, "etcd_prefix", DEFAULT_PREFIX), model=args.model,
-            tokenizers=parse_tokenizer_flags(getattr(args, "tokenizer", None) or []),
+            host=args.host, port=args.port, etcd=access.etcd, index_etcd=access.index_shards,
+            etcd_prefix=access.prefix, model=args.model,
+            tokenizers=parse_tokenizer_flags(args.tokenizer),
             prefill=prefill, decode=list(args.decode),
             admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
-            forward_client_auth=getattr(args, "forward_client_auth", False),
+            forward_client_auth=args.forward_client_auth,
             max_body=args.max_body, max_prompt_tokens=args.max_prompt_tokens,
             **routing_kwargs(args), **resilience_kwargs(args),
             client_read_timeout=args.client_read_timeout_secs,

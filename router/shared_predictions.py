@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from index.access import DEFAULT_LEASE_TTL
 from index.errors import MalformedValue
 from index.etcd import EtcdClient
 from index.follow import Entry, PrefixFollower
@@ -132,7 +133,7 @@ class PredictionPublisher:
 
     def __init__(self, client: EtcdClient, layout: KeyLayout, router_id: str,
                  window: float = 0.01, stats: ShareStats | None = None,
-                 lease_ttl: int = 10) -> None:
+                 lease_ttl: int = DEFAULT_LEASE_TTL) -> None:
         self.layout = layout
         self.router_id = router_id
         self.window = window

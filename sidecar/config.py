@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from bootstrap.config import DEFAULT_PORT as BOOTSTRAP_PORT
+from index.access import DEFAULT_LEASE_TTL, ClusterAccess
 from index.etcd import EtcdSettings
 from index.events.endpoints import offset_endpoint
 from index.events.subscriber import SubscriberConfig
@@ -64,7 +65,7 @@ class SidecarConfig:
     """Key prefix of every key written."""
     index_etcd: IndexShards = field(default_factory=IndexShards)
     """The etcd clusters the block index is spread over (``--index-etcd``); none: ``etcd``."""
-    lease_ttl: int = 10
+    lease_ttl: int = DEFAULT_LEASE_TTL
     """Seconds the instance's keys outlive the sidecar."""
     health_interval: float = 0.5
     """Seconds between ``/health`` checks of the engine."""
@@ -85,6 +86,9 @@ class SidecarConfig:
     publishes before its subscriber is connected is lost, and with nothing published after it
     no gap ever shows. Past it the sidecar goes on and says which endpoint has no publisher;
     0: do not wait."""
+    access: ClusterAccess = field(init=False, repr=False, compare=False)
+    """``etcd``, ``etcd_prefix``, ``index_etcd`` and ``lease_ttl`` as one checked
+    ``ClusterAccess``."""
 
     def __post_init__(self) -> None:
         validate_instance_id(self.instance_id)
@@ -107,8 +111,8 @@ class SidecarConfig:
             raise ValueError(f"--dp-size must be within [1, 1024], got {self.dp_size}")
         if not 1 <= self.block_size <= 65536:
             raise ValueError(f"--block-size must be within [1, 65536], got {self.block_size}")
-        if not 2 <= self.lease_ttl <= 3600:
-            raise ValueError(f"--lease-ttl must be within [2, 3600] s, got {self.lease_ttl}")
+        self.access = ClusterAccess(etcd=self.etcd, prefix=self.etcd_prefix,
+                                    index_shards=self.index_etcd, lease_ttl=self.lease_ttl)
         for name, lo, hi in (("health_interval", 0.05, 60.0), ("health_timeout", 0.05, 60.0),
                              ("unhealthy_grace", 0.0, 86400.0), ("bootstrap_poll", 0.05, 60.0),
                              ("publisher_wait", 0.0, 60.0)):
@@ -123,11 +127,10 @@ class SidecarConfig:
             self.events = SubscriberConfig(
                 endpoint=self.events.endpoint, replay_endpoint=self.events.replay_endpoint,
                 topic=self.events.topic, connect=self.events.connect, model=self.model)
-        KeyLayout(self.etcd_prefix)  # raises on a malformed prefix
 
     @property
     def layout(self) -> KeyLayout:
-        return KeyLayout(self.etcd_prefix)
+        return self.access.layout
 
     def event_sources(self) -> list[tuple[int, SubscriberConfig]]:
         """Per attention-DP rank, where its KV events come from (SGLang: port + rank)."""
@@ -191,7 +194,11 @@ class SidecarConfig:
                                  f"{d.publisher_wait:g}; 0: do not wait)")
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace, etcd: EtcdSettings) -> SidecarConfig:
+    def from_cli_args(cls, args: argparse.Namespace,
+                      access: ClusterAccess | None = None) -> SidecarConfig:
+        """Build from parsed flags; ``access`` is what the CLI built from its etcd flags
+        (None: the default etcd and prefix)."""
+        access = access or ClusterAccess()
         events = None
         if args.kv_events is not None:
             events = SubscriberConfig(endpoint=args.kv_events, replay_endpoint=args.replay,
@@ -201,9 +208,9 @@ class SidecarConfig:
         return cls(instance_id=args.instance_id, role=args.role, engine_url=args.engine_url,
                    model=args.model, bootstrap_url=args.bootstrap_url, events=events,
                    dp_size=args.dp_size, block_size=args.block_size, tokenizer=args.tokenizer,
-                   etcd=etcd, etcd_prefix=getattr(args, "etcd_prefix", DEFAULT_PREFIX),
+                   etcd=access.main_etcd, etcd_prefix=access.prefix,
                    lease_ttl=args.lease_ttl, health_interval=args.health_interval,
                    health_timeout=args.health_timeout, unhealthy_after=args.unhealthy_after,
                    unhealthy_grace=args.unhealthy_grace, bootstrap_poll=args.bootstrap_poll,
                    publisher_wait=args.publisher_wait,
-                   index_etcd=IndexShards.from_cli_args(args, etcd))
+                   index_etcd=access.index_shards)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from bootstrap.config import AUTH_TOKEN_ENV, DEFAULT_PORT
 from engine.serve_config import EngineServerConfig
+from index.access import DEFAULT_LEASE_TTL, ClusterAccess
 from index.etcd import EtcdSettings
 from index.keys import DEFAULT_PREFIX, validate_instance_id
 from index.shards import IndexShards
@@ -52,7 +53,7 @@ class PDConfig:
     """etcd key prefix."""
     index_etcd: IndexShards = field(default_factory=IndexShards)
     """The etcd clusters the block index is spread over (``--index-etcd``); none: ``etcd``."""
-    lease_ttl: int = 10
+    lease_ttl: int = DEFAULT_LEASE_TTL
     """TTL of the instance lease."""
     nnodes: int = 1
     """Nodes the instance's ranks span (simulated on one machine by several launches)."""
@@ -72,14 +73,17 @@ class PDConfig:
     advertise_host: str | None = None
     """The host peers dial: the etcd record's ``url``, the bootstrap address and the ranks'
     ``rank_ip``. Default: ``--host``, or this machine's name when ``--host`` is a wildcard."""
+    access: ClusterAccess = field(init=False, repr=False, compare=False)
+    """``etcd``, ``etcd_prefix``, ``index_etcd`` and ``lease_ttl`` as one checked
+    ``ClusterAccess``."""
 
     def __post_init__(self) -> None:
         if self.engine.mode not in ("prefill", "decode"):
             raise ValueError(f"PDConfig is for --mode prefill or decode, not {self.engine.mode!r}")
         if self.tp < 1 or self.dp < 1 or self.nnodes < 1:
             raise ValueError("--tp, --dp and --nnodes must be >= 1")
-        if self.index_etcd.sharded and self.etcd is None:
-            raise ValueError("--index-etcd needs --etcd (the instance records live there)")
+        self.access = ClusterAccess(etcd=self.etcd, prefix=self.etcd_prefix,
+                                    index_shards=self.index_etcd, lease_ttl=self.lease_ttl)
         if self.engine.mode == "decode" and self.dp != 1:
             raise ValueError("--dp applies to prefill instances; run more decode instances "
                              "instead")
@@ -157,7 +161,8 @@ class PDConfig:
                        choices=LOAD_BALANCE, help="prefill DP choice per request")
         g.add_argument("--kv-cache-dtype", default="auto", help="KV pool dtype (auto: model's)")
         g.add_argument("--transfer-backend", default="zmq", choices=["zmq", "cuda_ipc"])
-        g.add_argument("--lease-ttl", type=int, default=10, help="etcd instance lease TTL")
+        g.add_argument("--lease-ttl", type=int, default=DEFAULT_LEASE_TTL,
+                       help="etcd instance lease TTL")
         g.add_argument("--nnodes", type=int, default=1, help="nodes of this instance")
         g.add_argument("--node-rank", type=int, default=0, help="this node's index")
         g.add_argument("--dist-init-addr", default=None, help="torch.distributed HOST:PORT")
@@ -172,14 +177,17 @@ class PDConfig:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, engine: EngineServerConfig,
-                      etcd: EtcdSettings | None) -> PDConfig:
+                      access: ClusterAccess | None = None) -> PDConfig:
+        """Build from parsed flags; ``access`` is what the CLI built from its etcd flags (None:
+        not registered in etcd)."""
+        access = access or ClusterAccess()
         return cls(engine=engine, tp=args.tp, dp=args.dp, instance_id=args.instance_id,
                    bootstrap_port=args.bootstrap_port,
                    load_balance_method=args.load_balance_method,
                    kv_cache_dtype=args.kv_cache_dtype, transfer_backend=args.transfer_backend,
-                   transfer=TransferConfig.from_cli_args(args), etcd=etcd,
-                   etcd_prefix=args.etcd_prefix, lease_ttl=args.lease_ttl, nnodes=args.nnodes,
+                   transfer=TransferConfig.from_cli_args(args), etcd=access.etcd,
+                   etcd_prefix=access.prefix, lease_ttl=args.lease_ttl, nnodes=args.nnodes,
                    node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
                    auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
                    advertise_host=args.advertise_host,
-                   index_etcd=IndexShards.from_cli_args(args, etcd or EtcdSettings()))
+                   index_etcd=access.index_shards)

@@ -44,7 +44,6 @@ from index.events.endpoints import offset_endpoint
 from index.events.feed import EventFeed
 from index.events.publisher import KVEventPublisher, PublisherConfig
 from index.events.subscriber import SubscriberConfig
-from index.keys import KeyLayout
 from index.pipeline import open_block_pipeline
 from index.writer import BlockWriter
 from transfer import KVSender, TensorPageSource, TransferError, create_sender
@@ -382,7 +381,7 @@ async def start_bootstrap(cfg: PDConfig, ranks: RankContext, bport: int,
         replay_endpoint=ranks.replay_endpoints[dp] if dp < len(ranks.replay_endpoints) else None))
         for dp, endpoint in enumerate(ranks.event_endpoints) if dp > 0 and endpoint is not None]
     pipeline = await open_block_pipeline(
-        stack, mirror.session, cfg.index_etcd, KeyLayout(prefix=cfg.etcd_prefix),
+        stack, mirror.session, cfg.index_etcd, cfg.access.layout,
         cfg.engine.model_name, bcfg.instance_id, block_size=cfg.engine.page_size,
         sources=sources, local=True)
     assert pipeline.local is not None

@@ -9,7 +9,6 @@ from typing import Any
 from engine.pd.config import PDConfig
 from engine.ranks.dist import RankInfo
 from index.etcd import EtcdClient
-from index.keys import KeyLayout
 from index.presence import Claim, InstancePresence
 from index.record import DECODE, InstanceRecord
 
@@ -36,7 +35,7 @@ class DecodeRecord:
     def __init__(self, cfg: PDConfig, info: RankInfo, served: dict[str, Any] | None = None
                  ) -> None:
         assert cfg.etcd is not None and cfg.instance_id is not None
-        self.layout = KeyLayout(prefix=cfg.etcd_prefix)
+        self.layout = cfg.access.layout
         self.instance_id = cfg.instance_id
         self.key = self.layout.instance(cfg.instance_id)
         self.presence = InstancePresence(EtcdClient(cfg.etcd), cfg.lease_ttl,

@@ -11,8 +11,7 @@ from typing import Any
 from index.keys import validate_instance_id, validate_model
 from index.segments import MalformedSegment, decode
 from kvatlas.cli import CLIError
-from kvatlas.commands._common import key_layout
-from kvatlas.commands._run_dir import block_segments
+from kvatlas.commands._run_dir import block_segments, cluster_access
 
 
 def add_dump_parser(sub: Any) -> argparse.ArgumentParser:
@@ -29,7 +28,7 @@ def add_dump_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 async def fetch_segments(args: argparse.Namespace) -> list[dict[str, Any]]:
-    layout = key_layout(args)
+    layout = cluster_access(args).layout
     prefix = (layout.blocks_prefix(args.model, args.instance) if args.model
               else layout.blocks_prefix())
     kvs = await block_segments(args, prefix)

@@ -31,8 +31,7 @@ from index.etcd import EtcdClient, EtcdSettings, EtcdStatus, KeyValue
 from index.keys import KeyLayout, loads
 from index.mirror import write_time
 from index.segments import decode
-from kvatlas.commands._common import key_layout
-from kvatlas.commands._run_dir import cluster_etcd_settings, index_shard_settings
+from kvatlas.commands._run_dir import cluster_access, index_shard_settings
 
 
 def add_stats_parser(sub: Any) -> argparse.ArgumentParser:
@@ -83,9 +82,10 @@ def _pct(samples: list[float], q: int) -> float:
 
 
 async def gather_stats(args: argparse.Namespace) -> dict[str, Any]:
-    layout = key_layout(args)
+    access = cluster_access(args)
+    layout = access.layout
     shard_settings = index_shard_settings(args)  # before any etcd call: bad flags fail fast
-    async with EtcdClient(cluster_etcd_settings(args)) as client:
+    async with EtcdClient(access.main_etcd) as client:
         status = await client.status()  # first: fails fast when etcd is away
         _, stat_kvs = await client.get_prefix(stats_prefix(layout))
         main = client.settings

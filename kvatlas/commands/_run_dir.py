@@ -12,10 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from index.access import DEFAULT_ETCD, ClusterAccess
 from index.etcd import EtcdClient, EtcdSettings, KeyValue
-from index.shards import IndexShards
 from kvatlas.cli import CLIError
-from kvatlas.commands._common import DEFAULT_ETCD, add_etcd_args, etcd_settings
 from kvatlas.launcher.etcd_auth import user_name
 
 DEFAULT_RUN_DIR = ".kvatlas/run"
@@ -25,7 +24,7 @@ def add_cluster_etcd_args(parser: argparse.ArgumentParser, timeout: float | None
                           index: bool = False) -> None:
     """The etcd flags plus ``--run-dir``; ``timeout`` overrides the per-call default;
     ``index``: also ``--index-etcd``."""
-    add_etcd_args(parser, index)
+    ClusterAccess.add_cli_args(parser, index)
     parser.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
                         help="local cluster run directory: without --etcd, the etcd of "
                              f"<run-dir>/cluster.json is used when it exists (default "
@@ -36,7 +35,7 @@ def add_cluster_etcd_args(parser: argparse.ArgumentParser, timeout: float | None
 
 def _cluster_doc(args: argparse.Namespace) -> dict[str, Any]:
     """``<run-dir>/cluster.json``, or {} when there is none."""
-    path = Path(getattr(args, "run_dir", DEFAULT_RUN_DIR)) / "cluster.json"
+    path = Path(args.run_dir) / "cluster.json"
     if not path.is_file():
         return {}
     try:
@@ -51,7 +50,7 @@ def _cluster_shards(args: argparse.Namespace) -> list[str] | None:
     if not shards:
         return None
     if not isinstance(shards, list) or not all(isinstance(e, str) and e for e in shards):
-        raise CLIError(f"{getattr(args, 'run_dir', DEFAULT_RUN_DIR)}/cluster.json: 'index_etcd' "
+        raise CLIError(f"{args.run_dir}/cluster.json: 'index_etcd' "
                        f"must be a list of 'HOST:PORT[,HOST:PORT]', got {shards!r}")
     return shards
 
@@ -60,7 +59,7 @@ def resolve_etcd(args: argparse.Namespace) -> str:
     """``--etcd`` if given, else ``etcd`` of ``<run-dir>/cluster.json`` if present, else default."""
     if args.etcd:
         return str(args.etcd)
-    path = Path(getattr(args, "run_dir", DEFAULT_RUN_DIR)) / "cluster.json"
+    path = Path(args.run_dir) / "cluster.json"
     etcd = _cluster_doc(args).get("etcd")
     if etcd is None:
         return DEFAULT_ETCD
@@ -80,29 +79,30 @@ def _cluster_reader(args: argparse.Namespace) -> tuple[str, str] | None:
     try:
         return user_name("reader"), str(auth["passwords"]["reader"])
     except (KeyError, TypeError):
-        raise CLIError(f"{getattr(args, 'run_dir', DEFAULT_RUN_DIR)}/cluster.json has etcd auth "
+        raise CLIError(f"{args.run_dir}/cluster.json has etcd auth "
                        "without a reader password; restart the cluster, or pass --etcd-user "
                        "(password in $KVATLAS_ETCD_PASSWORD)") from None
 
 
-def cluster_etcd_settings(args: argparse.Namespace) -> EtcdSettings:
-    """The main etcd's settings (``resolve_etcd``). For a command taking ``--index-etcd``
-    given neither that nor ``--etcd``, the local cluster's index shards are taken too, and
-    without ``--etcd-user`` its read-only credentials."""
+def cluster_access(args: argparse.Namespace) -> ClusterAccess:
+    """The cluster the flags name, its main etcd found by ``resolve_etcd``. For a command
+    taking ``--index-etcd`` given neither that nor ``--etcd``, the local cluster's index shards
+    are taken too, and without ``--etcd-user`` its read-only credentials."""
     if not args.etcd:
-        if hasattr(args, "index_etcd") and not args.index_etcd:
+        # None: the command has --index-etcd and it was not given (() where it has none).
+        if args.index_etcd is None:
             args.index_etcd = _cluster_shards(args)
         reader = _cluster_reader(args) if args.etcd_user is None else None
         if reader is not None:
             args.etcd_user, args.etcd_password = reader
     args.etcd = resolve_etcd(args)
-    return etcd_settings(args)
+    return ClusterAccess.from_cli_args(args)
 
 
 def index_shard_settings(args: argparse.Namespace) -> list[EtcdSettings]:
     """The etcds holding the block index: every ``--index-etcd`` cluster, else the main one."""
-    main = cluster_etcd_settings(args)
-    return IndexShards.from_cli_args(args, main).shard_settings(main)
+    access = cluster_access(args)
+    return access.index_shards.shard_settings(access.main_etcd)
 
 
 async def block_segments(args: argparse.Namespace, prefix: bytes) -> list[KeyValue]:

@@ -15,12 +15,13 @@ from bootstrap.config import BootstrapConfig
 from bootstrap.http_limits import make_runner
 from bootstrap.mirror import readable_ranks
 from bootstrap.server import create_app
+from index.access import ClusterAccess
 from index.errors import RecordError
 from index.etcd import EtcdClient
 from index.record import InstanceRecord
 from kvatlas.cli import CLIError
-from kvatlas.commands._common import add_etcd_args, etcd_settings, key_layout, stop_on_signals
-from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_etcd_settings
+from kvatlas.commands._common import stop_on_signals
+from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_access
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def register(subparsers: Any) -> None:
 
     serve = sub.add_parser("serve", help="run a bootstrap server (SGLang-compatible), mirrored to etcd")
     BootstrapConfig.add_cli_args(serve)
-    add_etcd_args(serve)
+    ClusterAccess.add_cli_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     show = sub.add_parser("show", help="an instance's rank table as mirrored in etcd")
@@ -45,7 +46,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = BootstrapConfig.from_cli_args(args, etcd=etcd_settings(args))
+    config = BootstrapConfig.from_cli_args(args, ClusterAccess.from_cli_args(args))
     asyncio.run(serve(config))
     return 0
 
@@ -77,8 +78,8 @@ async def serve(config: BootstrapConfig) -> None:
 
 
 async def _fetch_instance(args: argparse.Namespace) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    layout = key_layout(args)
-    settings = cluster_etcd_settings(args)
+    access = cluster_access(args)
+    layout, settings = access.layout, access.main_etcd
     async with EtcdClient(settings) as client:
         kv = await client.get(layout.instance(args.instance_id))
         if kv is None:

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from index.access import DEFAULT_LEASE_TTL, ClusterAccess, etcd_password
 from kvatlas.cli import CLIError
 from kvatlas.commands import _etcd_auth
-from kvatlas.commands._common import add_etcd_args, etcd_password
 from kvatlas.commands._run_dir import DEFAULT_RUN_DIR
 from kvatlas.launcher.state import ClusterState, proc_rss
 from kvatlas.launcher.supervisor import LocalCluster, StartError, http_status, stop_processes
@@ -60,12 +60,13 @@ def register(subparsers: Any) -> None:
                          "model; tiny: the seeded byte-tokenizer model tests use)")
     up.add_argument("--router-port", type=int, default=None,
                     help=f"router port (default {DEFAULT_ROUTER_PORT} when free, else a free one)")
-    up.add_argument("--lease-ttl", type=int, default=10, help="instance lease TTL in seconds")
+    up.add_argument("--lease-ttl", type=int, default=DEFAULT_LEASE_TTL,
+                    help="instance lease TTL in seconds")
     up.add_argument("--engine-mode", default="pd", choices=("pd", "monolithic"),
                     help="pd (default): prefill/decode engines; monolithic: stand-ins")
     up.add_argument("--detach", action="store_true", help="return once ready; stop with down")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for readiness")
-    add_etcd_args(up)
+    ClusterAccess.add_cli_args(up)
     up.set_defaults(func=cmd_up)
     # --etcd: "embedded" (default) or an external HOST:PORT[,...]. The shared flag's help names
     # the client default (127.0.0.1:2379), which is wrong here: argparse has no public setter.

@@ -7,10 +7,8 @@ import json
 import sys
 from typing import Any
 
-from index.shards import IndexShards
 from kvatlas.cli import CLIError
-from kvatlas.commands._common import key_layout
-from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_etcd_settings
+from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_access
 from kvatlas.commands.route import router_url
 
 
@@ -35,7 +33,7 @@ def register(subparsers: Any) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from kvatlas.launcher.doctor import Doctor
 
-    settings = cluster_etcd_settings(args)
+    access = cluster_access(args)
     router = None
     if args.router:
         router = args.router.rstrip("/")
@@ -44,8 +42,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             router = router_url(args)
         except CLIError:
             router = None
-    doctor = Doctor(settings, key_layout(args), router, timeout=args.timeout,
-                    index_etcd=IndexShards.from_cli_args(args, settings))
+    doctor = Doctor(access.main_etcd, access.layout, router, timeout=args.timeout,
+                    index_etcd=access.index_shards)
     links = asyncio.run(doctor.run())
     if args.json:
         print(json.dumps([vars(link) for link in links], indent=2))

@@ -8,7 +8,7 @@ import argparse
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from engine.pd.config import PDConfig
     from engine.serve_config import EngineServerConfig
-    from kvatlas.commands._common import add_etcd_args
+    from index.access import ClusterAccess
 
     parser = subparsers.add_parser("engine", help="reference engine workers")
     sub = parser.add_subparsers(dest="engine_command", metavar="ACTION", required=True)
@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                                        "HTTP): monolithic, or one half of a PD pair.")
     EngineServerConfig.add_cli_args(serve)
     PDConfig.add_cli_args(serve)
-    add_etcd_args(serve, index=True)
+    ClusterAccess.add_cli_args(serve, index=True)
     serve.set_defaults(func=cmd_serve)
 
 
@@ -37,7 +37,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     from engine.pd.config import PDConfig
     from engine.ranks.launch import serve
-    from kvatlas.commands._common import etcd_settings
+    from index.access import ClusterAccess
 
-    cfg = PDConfig.from_cli_args(args, engine, etcd_settings(args) if args.etcd else None)
+    cfg = PDConfig.from_cli_args(args, engine,
+                                ClusterAccess.from_cli_args(args, optional=True))
     return serve(cfg)

@@ -25,7 +25,7 @@ from index.record import InstanceRecord
 from index.segments import decode
 from index.table import BlockTable
 from kvatlas.cli import CLIError
-from kvatlas.commands._common import key_layout, stop_on_signals
+from kvatlas.commands._common import stop_on_signals
 from kvatlas.commands._index_dump import add_dump_parser
 from kvatlas.commands._index_stats import add_stats_parser
 from kvatlas.commands._prompt import (
@@ -36,7 +36,7 @@ from kvatlas.commands._prompt import (
     parse_records,
     tokenizer_source,
 )
-from kvatlas.commands._run_dir import add_cluster_etcd_args, block_segments, cluster_etcd_settings
+from kvatlas.commands._run_dir import add_cluster_etcd_args, block_segments, cluster_access
 from tokenization.assets import KNOWN_NAMES, is_known
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def console() -> Console:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    config = AgentConfig.from_cli_args(args, etcd=cluster_etcd_settings(args))
+    config = AgentConfig.from_cli_args(args, cluster_access(args))
     try:
         asyncio.run(_serve_agent(config))
     except AgentError as exc:
@@ -185,11 +185,12 @@ async def fetch_index(args: argparse.Namespace, model: str,
                       with_records: bool) -> tuple[BlockTable, list[InstanceRecord]]:
     """Every block segment of ``model`` (one snapshot) as a ``BlockTable``, and, when
     asked, the instance records (which name each instance's tokenizer), in one etcd session."""
-    layout = key_layout(args)
+    access = cluster_access(args)
+    layout = access.layout
     records: list[InstanceRecord] = []
     kvs = await block_segments(args, layout.blocks_prefix(model))
     if with_records:
-        async with EtcdClient(cluster_etcd_settings(args)) as client:
+        async with EtcdClient(access.main_etcd) as client:
             _, inst = await client.get_prefix(layout.instances_prefix())
         records = parse_records(inst, layout.parse_instance)
     table = BlockTable()

@@ -14,8 +14,7 @@ from rich.table import Table
 from index.errors import MalformedKey, RecordError
 from index.etcd import EtcdClient
 from index.record import InstanceRecord
-from kvatlas.commands._common import key_layout
-from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_etcd_settings
+from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_access
 
 
 def register(subparsers: Any) -> None:
@@ -42,8 +41,9 @@ def format_age(seconds: float) -> str:
 
 
 async def fetch_instances(args: argparse.Namespace) -> list[dict[str, Any]]:
-    layout = key_layout(args)
-    async with EtcdClient(cluster_etcd_settings(args)) as client:
+    access = cluster_access(args)
+    layout = access.layout
+    async with EtcdClient(access.main_etcd) as client:
         _, kvs = await client.get_prefix(layout.instances_prefix())
     out: list[dict[str, Any]] = []
     for kv in kvs:

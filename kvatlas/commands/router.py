@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvatlas.commands._common import add_etcd_args, etcd_settings
+from index.access import ClusterAccess
 from router.app import run
 from router.config import RouterConfig
 
@@ -14,12 +14,11 @@ def register(subparsers: Any) -> None:
     sub = parser.add_subparsers(dest="router_command", metavar="ACTION", required=True)
     serve = sub.add_parser("serve", help="serve the router")
     RouterConfig.add_cli_args(serve)
-    add_etcd_args(serve, index=True)
+    ClusterAccess.add_cli_args(serve, index=True)
     serve.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     # Without --etcd the router serves its static workers only (sglang-router style).
-    etcd = etcd_settings(args) if args.etcd else None
-    run(RouterConfig.from_cli_args(args, etcd=etcd))
+    run(RouterConfig.from_cli_args(args, ClusterAccess.from_cli_args(args, optional=True)))
     return 0

@@ -7,7 +7,7 @@ from typing import Any
 
 from kvatlas.cli import CLIError
 from kvatlas.commands._common import stop_on_signals
-from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_etcd_settings
+from kvatlas.commands._run_dir import add_cluster_etcd_args, cluster_access
 
 
 def register(subparsers: Any) -> None:
@@ -30,7 +30,7 @@ def cmd_sidecar(args: argparse.Namespace) -> int:
     from sidecar.config import SidecarConfig
     from sidecar.errors import SidecarError
 
-    config = SidecarConfig.from_cli_args(args, etcd=cluster_etcd_settings(args))
+    config = SidecarConfig.from_cli_args(args, cluster_access(args))
     try:
         asyncio.run(_serve(config))
     except SidecarError as exc:

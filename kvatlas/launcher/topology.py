@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from bootstrap.config import AUTH_TOKEN_ENV
+from index.access import DEFAULT_LEASE_TTL, ETCD_PASSWORD_ENV, check_lease_ttl
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_model
-from kvatlas.commands._common import ETCD_PASSWORD_ENV
 from kvatlas.etcd_proc import COMPACTION_ARGS, free_port
 from kvatlas.launcher.etcd_auth import EtcdAuth
 from router.config import ADMIN_TOKEN_ENV
@@ -200,7 +200,7 @@ class Topology:
     transfer_key: str | None = None
     """KV transfer MAC key of every prefill and decode rank (``KVATLAS_TRANSFER_KEY``, never a
     flag); None: generated."""
-    lease_ttl: int = 10
+    lease_ttl: int = DEFAULT_LEASE_TTL
     """Instance lease TTL in seconds."""
     health_interval: float = 2.0
     """Router health-check interval in seconds."""
@@ -225,8 +225,7 @@ class Topology:
             raise ValueError(f"etcd members must be 1 or 3, got {self.etcd_members}")
         if self.engine_mode not in ENGINE_MODES:
             raise ValueError(f"engine mode must be one of {ENGINE_MODES}, got {self.engine_mode!r}")
-        if not 2 <= self.lease_ttl <= 3600:
-            raise ValueError(f"lease TTL must be within [2, 3600] s, got {self.lease_ttl}")
+        check_lease_ttl(self.lease_ttl)
         # Hex: a token must never start with "-", or argparse would read it as a flag.
         if self.auth_token is None:
             self.auth_token = secrets.token_hex(24)

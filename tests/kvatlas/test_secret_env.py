@@ -8,7 +8,7 @@ import pytest
 
 from bootstrap.client import BootstrapClientConfig
 from bootstrap.config import BootstrapConfig
-from kvatlas.commands._common import add_etcd_args, etcd_settings
+from index.access import ClusterAccess
 from kvatlas.launcher.topology import LocalNetwork, Topology, process_args
 from router.config import RouterConfig
 from transfer import TransferConfig
@@ -47,10 +47,11 @@ def test_bootstrap_server_and_client_token(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_etcd_password_needs_a_user(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVATLAS_ETCD_PASSWORD", "etcd-secret")
-    settings = etcd_settings(parsed(add_etcd_args, ["--etcd-user", "kv"]))
+    settings = ClusterAccess.from_cli_args(
+        parsed(ClusterAccess.add_cli_args, ["--etcd-user", "kv"])).main_etcd
     assert (settings.user, settings.password) == ("kv", "etcd-secret")
     # Without a user the variable is ignored, rather than failing "user and password together".
-    settings = etcd_settings(parsed(add_etcd_args, []))
+    settings = ClusterAccess.from_cli_args(parsed(ClusterAccess.add_cli_args, [])).main_etcd
     assert (settings.user, settings.password) == (None, None)
 
 
