@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from router.capacity import request_need
 from router.client_ids import ClientRid, RidEcho, engine_rid
 from router.errors import NoWorkers, error_response, json_error
-from router.explain import EXPLAIN_HEADER, explain, last_cached_tokens, reported_cached_tokens, wanted
+from router.explain import EXPLAIN_HEADER, last_cached_tokens, reported_cached_tokens, wanted
 from router.http.client import UpstreamError, UpstreamResponse
 from router.http.headers import encode_headers
 from router.http.server import Request, Response, Stream
-from router.policy import RouteContext
 from router.requests import Parsed, inject
+from router.route import decide, route_context
 from router.state import Pair, RouterState
 from router.upstreams import Upstreams
 from router.workers import Worker
@@ -95,7 +95,7 @@ class Dispatcher:
                        headers: dict[str, str], request_id: str,
                        client_rid: ClientRid | None) -> Response | Stream:
         state, cfg = self.state, self.state.config
-        ctx = RouteContext(parsed.prompts[0], parsed.model or cfg.model, parsed.hashes)
+        ctx = route_context(state, parsed)  # kept across retries: hashed once
         wire_headers = encode_headers(headers)
         explaining = wanted(request.headers, cfg)
         cap = state.capacity
@@ -114,12 +114,13 @@ class Dispatcher:
                                                                    cfg.retry_jitter)))
             try:
                 # Among the workers with room, waiting for one if need be (router/capacity.py).
-                pair = await cap.admit(functools.partial(state.select_pair, ctx, failed, need,
-                                                         unfit=unfit))
+                decision = await cap.admit(functools.partial(decide, state, ctx, failed, need,
+                                                             unfit=unfit))
             except NoWorkers as exc:
                 if last is None:
                     return error_response(exc, request_id)
                 break
+            pair = decision.pair
             p = pair.prefill.worker
             if client_rid is not None:
                 rid = engine_rid(client_rid)
@@ -128,7 +129,7 @@ class Dispatcher:
             state.on_routed(pair)
             reply = {"x-request-id": request_id}
             if explaining:
-                reply[EXPLAIN_HEADER] = explain(pair, cfg, state.prefill_policy.name)
+                reply[EXPLAIN_HEADER] = decision.explain(state)
             held = (cap.take(p, need, False), cap.take(pair.decode.worker, need, True)) \
                 if need is not None else (0, 0)
             try:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
@@ -16,8 +15,8 @@ from router.engine_load import check_thresholds
 from router.errors import BadRequest, RouterError, error_response, json_error
 from router.http.server import Request, Response, Stream, json_response
 from router.json_body import load_json
-from router.policy import RouteContext
 from router.requests import ANY, CHAT, COMPLETIONS, GENERATE, Parsed, parse_body
+from router.route import decide, route_context
 from router.state import RouterState
 from router.workers import ADMIN, DECODE, PREFILL, ROLES
 
@@ -128,30 +127,18 @@ async def debug_route(svc: Services, request: Request) -> Response:
     parsed = await _parse(state, ANY, request.body)
     state.check_model(parsed.model)
     want_ids = parsed.body.get("return_token_ids") is True
-    t0 = time.perf_counter()
-    model = parsed.model or state.config.model
-    ctx = RouteContext(parsed.prompts[0], model, parsed.hashes)
-    pair = state.select_pair(ctx, unfit=state.pools.limits.unfit(parsed.prompts,
-                                                                 len(request.body)))
-    p, d = pair.prefill, pair.decode
-    decision_us = round((time.perf_counter() - t0) * 1e6, 1)
+    decision = decide(state, route_context(state, parsed),
+                      unfit=state.pools.limits.unfit(parsed.prompts, len(request.body)))
+    model = decision.model
     tokens = parsed.prompts[0]
-    answer: dict[str, Any] = {
-        "prefill": {"instance_id": p.worker.instance_id, "url": p.worker.url,
-                    "bootstrap_host": p.worker.bootstrap_host,
-                    "bootstrap_port": p.worker.bootstrap_port},
-        "decode": {"instance_id": d.worker.instance_id, "url": d.worker.url},
-        "policy": {"prefill": state.prefill_policy.name, "decode": state.decode_policy.name},
-        "model": model,
+    answer: dict[str, Any] = decision.describe(state)
+    answer.update({
         "tokenizer": state.tokenizers.describe(model) if parsed.from_text else None,
         "load_only": (f"no tokenizer is known for model {model or '(none)'}: the text is "
                       "routed on load alone") if parsed.load_only else None,
         "prompt_tokens": None if parsed.load_only else len(tokens),
-        "prompt_blocks": p.prompt_blocks, "matched_blocks": p.matched_blocks,
-        "index_blocks": p.indexed_blocks, "block_size": state.config.block_size,
-        "candidates": p.candidates, "decision_us": decision_us,
         "index": state.index_detail(),
-    }
+    })
     if want_ids:
         answer["token_ids"] = None if parsed.load_only else [int(t) for t in tokens]
     return json_response(answer)

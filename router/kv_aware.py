@@ -65,7 +65,7 @@ from router.config import RouterConfig
 from router.engine_load import fresh
 from router.policy import Choice, Policy, RouteContext
 from router.predictions import Prediction
-from router.prompt_hashes import PromptHasher
+from router.prompt_hashes import shared_hasher
 from router.work_load import WorkLoad
 from router.workers import Worker
 
@@ -130,7 +130,7 @@ class KvAware(Policy):
         # Per instance: (index version, newest pending seq found unconfirmed at that version).
         self._unconfirmed: dict[str, tuple[Hashable, int]] = {}
         self.seed = namespace_seed()
-        self.hasher = PromptHasher(config.block_size)
+        self.hasher = shared_hasher(config.block_size)
         self._clock = clock
         self.prediction = Prediction(config.prediction_ttl, config.prediction_max_blocks, clock)
         self.peer = Prediction(config.prediction_ttl, config.prediction_max_blocks, clock)

@@ -11,28 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from index.hashing import BASE_SEED, block_hashes
-from router.prompt_hashes import PromptHasher
+from router.prompt_hashes import MAX_ROUTED_BLOCKS, PromptHasher, prompt_hashes, routed_tokens
 from router.workers import Worker
 
-MAX_ROUTED_BLOCKS = 16384
-"""Blocks of a prompt that routing looks at: 262,144 tokens at 16 a block. The hashing, index
-lookups and predictions of every block of a longer prompt would hold the event loop for seconds
-(an 8 MiB prompt: 1.6 s, with health answers and etcd watches waiting); such a prompt is routed
-on this much of its prefix, as a shorter one is on all of it."""
-
-
-def routed_tokens(tokens: Any, block_size: int) -> Any:
-    """The leading tokens routing hashes (all of them, but for a huge prompt)."""
-    cap = MAX_ROUTED_BLOCKS * block_size
-    return tokens[:cap] if len(tokens) > cap else tokens
-
-
-def prompt_hashes(tokens: Any, block_size: int) -> tuple[int, list[int]]:
-    """(seed, hashes) of a base-model prompt, without the memo: safe to call from any thread,
-    as the request parser does for large bodies (``RouteContext.pre_hashed``)."""
-    return BASE_SEED, block_hashes(routed_tokens(tokens, block_size), block_size, BASE_SEED)
-
+__all__ = ["MAX_ROUTED_BLOCKS", "prompt_hashes", "routed_tokens"]  # re-exported: their home is
+# router.prompt_hashes, which request parsing imports without the policies
 
 @dataclass
 class RouteContext:
@@ -43,7 +26,8 @@ class RouteContext:
     model: str | None = None
     """Model whose hash namespace/index applies."""
     pre_hashed: tuple[int, list[int]] | None = None
-    """(seed, hashes) computed before, off the event loop (``prompt_hashes``)."""
+    """(seed, hashes) computed before, off the event loop (``prompt_hashes``, by the same
+    memoized hasher)."""
     _hashes: list[int] | None = None
 
     def hashes(self, hasher: PromptHasher, seed: int) -> list[int]:

@@ -9,11 +9,13 @@ publishes, never an approximation.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from index.hashing import hash_token_bytes, token_bytes
+from index.hashing import BASE_SEED, hash_token_bytes, token_bytes
 
 CHUNK_BLOCKS = 8
 """Blocks per memoized chunk. Smaller chunks reuse more of a prompt that diverges mid-way; larger
@@ -22,6 +24,19 @@ ones cost fewer memo lookups. At 8, a lookup (hashing a 512-byte key) is ~4× ch
 
 MAX_CHUNKS = 8192
 """Memo size bound: about 8 MB at 16-token blocks (a 512-byte key and 8 hashes per chunk)."""
+
+
+MAX_ROUTED_BLOCKS = 16384
+"""Blocks of a prompt that routing looks at: 262,144 tokens at 16 a block. The hashing, index
+lookups and predictions of every block of a longer prompt would hold the event loop for seconds
+(an 8 MiB prompt: 1.6 s, with health answers and etcd watches waiting); such a prompt is routed
+on this much of its prefix, as a shorter one is on all of it."""
+
+
+def routed_tokens(tokens: Any, block_size: int) -> Any:
+    """The leading tokens routing hashes (all of them, but for a huge prompt)."""
+    cap = MAX_ROUTED_BLOCKS * block_size
+    return tokens[:cap] if len(tokens) > cap else tokens
 
 
 class PromptHasher:
@@ -72,3 +87,26 @@ class PromptHasher:
 
     def __len__(self) -> int:
         return len(self._memo)
+
+
+_shared: dict[int, PromptHasher] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_hasher(block_size: int) -> PromptHasher:
+    """The process's one memoized hasher for ``block_size``: the policy's and the request
+    parser's (large bodies are hashed in its threads), so that a prefix hashed on one path is
+    a memo hit on the other. Safe across threads: a memo read or write is one dict operation,
+    and a lost race only hashes a chunk twice (the result is the same)."""
+    hasher = _shared.get(block_size)
+    if hasher is None:
+        with _shared_lock:
+            hasher = _shared.setdefault(block_size, PromptHasher(block_size))
+    return hasher
+
+
+def prompt_hashes(tokens: Any, block_size: int) -> tuple[int, list[int]]:
+    """(seed, hashes) of a base-model prompt by the shared memoized hasher: safe to call from
+    any thread, as the request parser does for large bodies (``RouteContext.pre_hashed``)."""
+    return BASE_SEED, shared_hasher(block_size).hashes(routed_tokens(tokens, block_size),
+                                                       BASE_SEED)

@@ -19,7 +19,7 @@ import orjson
 from router.errors import BadRequest
 from router.json_body import load_json_fast
 from router.limits import Limit, WorkerLimits
-from router.policy import prompt_hashes
+from router.prompt_hashes import prompt_hashes
 from router.rooms import new_room
 from tokenization import ChatTemplateError, Tokenizer
 from tokenization.chat import request_template_args
