@@ -13,6 +13,9 @@ requests/s, p50/p99 latency, and the latency each router adds over the direct pa
 Part 2: the routing decision (tokenize + hash + index lookup + cost over 64 prefill instances +
 power-of-two decode) timed in-process against a mirror holding 1M blocks. Goal: p99 < 1 ms.
 
+Part 3: CPU per decision (kv_aware, random) with 1, 16, 64, 256 requests held in flight, in
+  process: whether the router's own cost grows with the requests in flight.
+
 ``--tokenizer SOURCE`` is the tokenizer kvatlas's routers hash prompts with (default ``byte``,
 the reference engine's). The real-tokenizer mode, ``--tokenizer smollm2-135m --chat``, sends
 OpenAI chat bodies instead: a shared system prompt and a user message new to every request (20k
@@ -334,6 +337,53 @@ def part2(instances: int, blocks: int, samples: int, tokenizer: str = "byte") ->
     return out
 
 
+# --- part 3: decision cost vs requests in flight -------------------------------------------------
+
+def part3(tokenizer: str = "byte", in_flight: tuple[int, ...] = (1, 16, 64, 256),
+          decisions: int = 10_000, repeats: int = 3) -> dict[str, Any]:
+    """CPU per decision (select + on_routed, kv_aware and random) with ``k`` requests held in
+    flight: each decision's pair counts one more running request on its workers, released
+    ``k`` decisions later, as the dispatcher does. The router's own cost must not grow with
+    the requests in flight (issue 24); the HTTP runs of part 1 mix it with the client's and
+    the stubs' CPU on the same machine, this isolates it."""
+    import collections
+    import dataclasses
+
+    from router.config import RouterConfig
+    from router.policy import RouteContext
+    from router.state import RouterState
+    from tokenization import load_tokenizer
+
+    encode_text = load_tokenizer(tokenizer).encode_array
+    prompts = [encode_text(PROMPT + json.loads(b)["messages"][1]["content"])
+               for b in chat_bodies(2000)]
+    base = RouterConfig(prefill=[("http://127.0.0.1:1", None), ("http://127.0.0.1:2", None)],
+                        decode=["http://127.0.0.1:3", "http://127.0.0.1:4"], model="tiny")
+    out: dict[str, Any] = {}
+    for policy in ("kv_aware", "random"):
+        cfg = dataclasses.replace(base, prefill_policy=policy)
+        for k in in_flight:
+            best = float("inf")
+            for r in range(repeats):
+                state = RouterState(cfg)
+                held: collections.deque[Any] = collections.deque()
+                t0 = time.process_time()
+                for i in range(decisions):
+                    pair = state.select_pair(RouteContext(prompts[(r * decisions + i)
+                                                                 % len(prompts)], "tiny"))
+                    state.on_routed(pair)
+                    pair.prefill.worker.load += 1
+                    pair.decode.worker.load += 1
+                    held.append(pair)
+                    if len(held) > k:
+                        done = held.popleft()
+                        done.prefill.worker.load -= 1
+                        done.decode.worker.load -= 1
+                best = min(best, (time.process_time() - t0) / decisions)
+            out.setdefault(policy, {})[str(k)] = round(best * 1e6, 1)
+    return out
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-stubs":
         serve_stubs([int(p) for p in sys.argv[2:]])
@@ -365,6 +415,8 @@ def main() -> int:
     results["decision"] = d = part2(args.instances, args.blocks, args.samples, args.tokenizer)
     print(f"  indexed {d['indexed_blocks']} blocks; prompt {d['prompt_tokens']} tokens; "
           f"p50 {d['p50_us']:.0f} us, p99 {d['p99_us']:.0f} us (goal < 1000 us)")
+    results["decision_vs_in_flight_us"] = d3 = part3(args.tokenizer)
+    print(f"part 3: CPU per decision (us) by requests in flight: {d3}")
     if "http" in results:
         print_table(results["http"])
     name = f"router_chat_{Path(args.tokenizer).name}.json" if args.chat else "router.json"
