@@ -35,6 +35,10 @@ from router.upstreams import Upstreams
 
 logger = logging.getLogger(__name__)
 
+GC_YOUNG_THRESHOLD = 20_000
+"""Net new tracked objects between young collections (CPython's default: 700), set once
+the router is up."""
+
 Route = Callable[[Request], Awaitable["Response | Stream"]]
 
 
@@ -273,6 +277,10 @@ async def serve(config: RouterConfig) -> None:
              if app.metrics_port is not None else ""), flush=True)
     # Everything alive now lives as long as the process: keep it out of every GC pass.
     gc.freeze()
+    # A request allocates a few hundred tracked objects that die with it: young collections
+    # every 700 allocations promoted in-flight requests' objects to older generations, and
+    # each pass walked 64 requests' worth of them (7 us per request at 64 in flight).
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
     try:
         await stop.wait()
     finally:
