@@ -212,6 +212,8 @@ class Capacity:
         """A request's call to ``worker`` completed (``Worker.load`` already dropped): its
         pages are free; the head of the queue may fit now. ``finished``: the request is done
         (counted for ``Retry-After``)."""
+        if not self.enabled:
+            return  # nothing held, no one queued, no rate read: nothing to count per request
         if pages:
             iid = worker.instance_id
             left = self.pages.get(iid, 0) - pages

@@ -101,7 +101,7 @@ class Dispatcher:
         cap = state.capacity
         need = request_need(parsed.body, parsed.prompts) if cap.enabled else None
         # Not routed to a worker whose own limits it exceeds (router/limits.py).
-        unfit = state.pools.limits.unfit(parsed.prompts, len(parsed.raw or b""))
+        unfit = state.pools.limits.unfit(parsed.prompts, len(request.body))
         failed: set[str] = set()
         last: Failure | None = None
         rid: ClientRid | None = None

@@ -49,6 +49,10 @@ def given_request_id(request: Request,
 
 
 CLIENT_AUTH_HEADERS = ("authorization", "cookie")
+# The headers a worker may get, with and without the client's credentials (decided once here,
+# not per header of every request).
+_FORWARDED_WITH_AUTH = tuple(n for n in (*HOP_HEADERS, "cookie") if n != "x-request-id")
+_FORWARDED = tuple(n for n in _FORWARDED_WITH_AUTH if n not in CLIENT_AUTH_HEADERS)
 """The client's credentials: forwarded only with ``RouterConfig.forward_client_auth``."""
 
 
@@ -58,11 +62,9 @@ def forward_headers(request: Request, request_id: str,
     ``client_auth``, the client's credentials (``CLIENT_AUTH_HEADERS``). Without it they stay
     here: a worker is whatever URL an etcd record names."""
     headers = {"content-type": "application/json", "x-request-id": request_id}
-    names = (*HOP_HEADERS, "cookie") if client_auth else HOP_HEADERS
-    for name in names:
+    for name in _FORWARDED_WITH_AUTH if client_auth else _FORWARDED:
         value = request.headers.get(name)
-        if value is not None and name != "x-request-id" and (
-                client_auth or name not in CLIENT_AUTH_HEADERS):
+        if value is not None:
             headers[name] = value
     return headers
 
