@@ -152,25 +152,25 @@ class PrefixFollower:
         try:
             name = self.parse_key(key)
         except Exception as exc:  # noqa: BLE001 - MalformedValue or a decoder's bug: see _refuse
-            self._refuse(key, exc, BAD_KEY)
+            self._refuse(key, exc)
             return None
         data = None
         if put:
             try:
                 data = self.decode(name, value if value is not None else b"")
             except Exception as exc:  # noqa: BLE001
-                self._refuse(key, exc, UNDECODABLE)
+                self._refuse(key, exc)
         if self._logged and (data is not None or not put):
             # The key reads again or is gone: a later refusal of it is logged again.
             self._logged.pop(key, None)
         return Entry(key, value if put and value is not None else b"", put, mod_revision,
                      name, data)
 
-    def _refuse(self, key: bytes, exc: Exception, fallback: str) -> None:
+    def _refuse(self, key: bytes, exc: Exception) -> None:
+        # A MalformedValue names its reason (bad_key for a key); anything else is a bug in a
+        # hook, whichever it was.
         malformed = isinstance(exc, MalformedValue)
-        reason = exc.reason if malformed else fallback
-        if not malformed and fallback == BAD_KEY:
-            reason = UNDECODABLE
+        reason = exc.reason if malformed else UNDECODABLE
         self.skipped[reason] += 1
         _TOTALS[(self.kind, reason)] += 1
         seen = self._logged.get(key)
@@ -194,10 +194,9 @@ class PrefixFollower:
     def _entries(self, items: Iterable[KeyValue | WatchEvent], snapshot: bool) -> list[Entry]:
         out = []
         for it in items:
-            if snapshot:
-                e = self._read(it.key, it.value, True, it.mod_revision)  # type: ignore[union-attr]
-            else:
-                e = self._read(it.key, it.value, it.put, it.mod_revision)  # type: ignore[union-attr]
+            # A snapshot holds only puts (a KeyValue has no ``put``).
+            put = True if snapshot else it.put  # type: ignore[union-attr]
+            e = self._read(it.key, it.value, put, it.mod_revision)
             # A snapshot holds usable keys only: a bad value there is as good as absent.
             if e is not None and (not snapshot or e.data is not None):
                 out.append(e)
