@@ -52,24 +52,28 @@ class BlockPipeline:
                  sources: Sequence[tuple[int, SubscriberConfig]] = (), local: bool = False,
                  writer_config: BlockWriterConfig | None = None) -> None:
         self.instance_id = instance_id
-        self.block_size = block_size
-        self.sources = list(sources)
         self.blocks = BlockSession(session, shards, instance_id)
         self.writer = BlockWriter(self.blocks.session, layout, model, instance_id,
                                   writer_config or BlockWriterConfig())
-        streams = len(self.sources) + (1 if local else 0)
+        streams = len(sources) + (1 if local else 0)
         self.union: DPUnion | None = DPUnion(self.writer) if streams > 1 else None
         self.local: InstanceIngestor | None = None
         if local:
             self.local = InstanceIngestor(self.sink(0), instance_id, block_size=block_size)
         # Built here, started by start(): one ingestor and subscriber per event source.
         self.subscribed: list[tuple[InstanceIngestor, KVEventSubscriber]] = []
-        for dp, config in self.sources:
+        for dp, config in sources:
             ingestor = InstanceIngestor(self.sink(dp), instance_id, block_size=block_size,
                                         replay=config.replay_endpoint is not None)
             self.subscribed.append((ingestor, KVEventSubscriber(config, ingestor)))
         self.writer_task: asyncio.Task[None] | None = None
         self._subs = contextlib.AsyncExitStack()
+
+    @property
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """The tasks that must stay alive while the pipeline runs (its writer's), for a caller
+        that watches its own tasks, as ``InstancePresence.tasks``."""
+        return [self.writer_task] if self.writer_task is not None else []
 
     def sink(self, dp_rank: int) -> BlockSink:
         """Where DP rank ``dp_rank``'s ingestion writes."""

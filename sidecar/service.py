@@ -127,10 +127,9 @@ class Attachment:
                 self.subscribed = pipeline.subscribed
                 ingestors, subs = pipeline.ingestors, pipeline.subscribers
                 await self._await_publishers(subs)
-                writer = self.writer
                 self.stats = StatsPublisher.with_session(
                     self.session, cfg.layout, cfg.instance_id,
-                    lambda: counters_doc(cfg.model, ingestors, writer, subs))
+                    lambda: counters_doc(cfg.model, ingestors, pipeline.writer, subs))
             self.presence.start()
             if self.stats is not None:
                 self._spawn(self.stats.run(), "sidecar-stats")
@@ -192,9 +191,8 @@ class Attachment:
         grace (False: the caller detaches)."""
         cfg, probe = self.config, self.sidecar.probe
         while not stop.is_set():
-            tasks = self.presence.tasks + self._tasks
-            if self.pipeline is not None and self.pipeline.writer_task is not None:
-                tasks.append(self.pipeline.writer_task)
+            tasks = self.presence.tasks + self._tasks + (
+                self.pipeline.tasks if self.pipeline is not None else [])
             dead = next((t for t in tasks if t.done() and not t.cancelled()), None)
             if dead is not None:
                 # A lease, key, writer or poller task that ended would freeze what etcd shows:
