@@ -26,8 +26,8 @@ import time
 from index.etcd import EtcdClient
 from index.follow import Entry, PrefixFollower
 from index.keys import KeyLayout
-from index.record import REASONS, InstanceRecord, RecordReader
-from router.workers import ETCD, ROLES, WorkerPools, parse_instance_record
+from index.record import REASONS, InstanceRecord
+from router.workers import ETCD, ROLES, WorkerPools, routable_record
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,6 @@ class InstanceDiscovery(PrefixFollower):
         self.pools = pools
         self.model = model
         self.synced_at: float | None = None
-        self.records = RecordReader()
-        """The router's reading of a record (``parse_instance_record``): the records that reach
-        it have passed ``decode``, so it refuses none."""
 
     @property
     def state(self) -> str:
@@ -82,7 +79,7 @@ class InstanceDiscovery(PrefixFollower):
     def load(self, revision: int, entries: list[Entry]) -> None:
         seen: set[tuple[str, str]] = set()
         for e in entries:
-            key = self._apply_put(e.name, e.value)
+            key = self._apply_put(e.name, e.data)
             if key is not None:
                 seen.add(key)
         # Reconcile: an etcd-sourced worker whose key is gone left while we were not watching.
@@ -95,12 +92,13 @@ class InstanceDiscovery(PrefixFollower):
     def apply(self, entries: list[Entry]) -> None:
         for e in entries:
             if e.data is not None:
-                self._apply_put(e.name, e.value)
+                self._apply_put(e.name, e.data)
             else:  # deleted, or now a record nobody can read: either way not a worker
                 self._apply_delete(e.name)
 
-    def _apply_put(self, iid: str, value: bytes) -> tuple[str, str] | None:
-        rec = parse_instance_record(iid, value, self.records, self.layout.instance(iid))
+    def _apply_put(self, iid: str, record: InstanceRecord) -> tuple[str, str] | None:
+        # ``record`` passed ``decode`` already: read once, by the follow loop.
+        rec = routable_record(iid, record)
         if rec is None or (self.model is not None and rec["model"] not in (None, self.model)):
             self._apply_delete(iid)
             return None

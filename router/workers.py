@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from index.record import DECODE, PREFILL, RecordReader
+from index.record import DECODE, PREFILL, InstanceRecord, RecordReader
 from router.breaker import CircuitBreaker
 from router.config import RouterConfig, check_url
 from router.engine_load import EngineLoad
@@ -144,8 +144,12 @@ def parse_instance_record(instance_id: str, raw: bytes, reader: RecordReader | N
     ``reader`` (discovery's) counts and logs refused records once per ``key``; without one a
     module-wide reader does."""
     rec = (reader or _READER).read(key or instance_id, raw, instance_id=instance_id)
-    if rec is None:
-        return None
+    return None if rec is None else routable_record(instance_id, rec)
+
+
+def routable_record(instance_id: str, rec: InstanceRecord) -> dict[str, Any] | None:
+    """The router's view of a parsed instance record, or None when it is not routable (a role
+    that is neither prefill nor decode, no usable url)."""
     role = rec.role
     if role not in ROLES:
         logger.debug("instance %s: role %r is not routable; ignored", instance_id, role)
