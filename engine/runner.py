@@ -153,10 +153,10 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(self._report_freed, freed)
 
     def _report_freed(self, freed: int) -> None:
-        if freed > self._unreferenced_known:
-            self._unreferenced_known = freed
-            self._pages_freed.set()
-            self._pages_freed = asyncio.Event()
+        # Posted only when the count moved, in order, and it only grows: always news.
+        self._unreferenced_known = freed
+        self._pages_freed.set()
+        self._pages_freed = asyncio.Event()
 
     @property
     def freed_mark(self) -> int:
