@@ -29,6 +29,7 @@ from tokenizers.decoders import DecodeStream
 
 from tokenization.base import Detokenizer, Tokenizer
 from tokenization.chat import ChatTemplate
+from tokenization.words import WordEncoder
 
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>",
                "<end_of_turn>", "<|eom_id|>")
@@ -81,6 +82,9 @@ class HFTokenizer(Tokenizer):
         self._lock = threading.Lock()
         self._pieces: OrderedDict[str, np.ndarray] = OrderedDict()
         self._cached_chars = 0
+        self._words = WordEncoder.build(backend)
+        """A piece not in the cache is encoded word by word when the pipeline allows
+        (tokenization/words.py): the Rust call's fixed cost is most of a short turn's."""
         self._splitter, added_ids = self._piece_splitter(added)
         self._added_arrays = {t: _ids_array([i]) for t, i in added_ids.items()}
         wrap = self._special_wrap() if self._splitter is not None else None
@@ -183,8 +187,11 @@ class HFTokenizer(Tokenizer):
                     else:
                         pieces.move_to_end(part)
                     chunks.append(ids)
+        words = self._words
         for at, part in missing:  # encoded outside the lock: other requests go on
-            ids = _ids_array(self.backend.encode(part, add_special_tokens=False).ids)
+            ids = words.encode(part) if words is not None else None
+            if ids is None:
+                ids = _ids_array(self.backend.encode(part, add_special_tokens=False).ids)
             ids.flags.writeable = False  # shared by every request that meets this piece
             self._remember(part, ids)
             chunks[at] = ids
