@@ -95,7 +95,7 @@ class Dispatcher:
                        headers: dict[str, str], request_id: str,
                        client_rid: ClientRid | None) -> Response | Stream:
         state, cfg = self.state, self.state.config
-        ctx = route_context(state, parsed)  # kept across retries: hashed once
+        ctx = route_context(parsed)  # kept across retries: hashed once
         wire_headers = encode_headers(headers)
         explaining = wanted(request.headers, cfg)
         cap = state.capacity

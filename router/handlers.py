@@ -81,7 +81,7 @@ async def _proxy(svc: Services, request: Request, kind: str,
         crid = client_rid(parsed.body, parsed.batch)
         state.check_model(parsed.model)
         if parsed.load_only:
-            state.tokenizers.note_load_only(parsed.model)
+            state.tokenizers.note_load_only(parsed.route_model)
         if crid is not None and given is None and isinstance(crid, str) and _usable_id(crid):
             # The client's own id names the request in logs and comes back in x-request-id;
             # the engines get a unique one instead (router.client_ids).
@@ -129,7 +129,7 @@ async def debug_route(svc: Services, request: Request) -> Response:
     parsed = await _parse(state, ANY, request.body)
     state.check_model(parsed.model)
     want_ids = parsed.body.get("return_token_ids") is True
-    decision = decide(state, route_context(state, parsed),
+    decision = decide(state, route_context(parsed),
                       unfit=state.pools.limits.unfit(parsed.prompts, len(request.body)))
     model = decision.model
     tokens = parsed.prompts[0]

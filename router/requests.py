@@ -42,6 +42,10 @@ class Parsed:
     """Batch size when the body is a batch (bootstrap fields become lists), else None."""
     stream: bool
     model: str | None
+    """The (canonical) model the body names; None: it names none."""
+    route_model: str | None = None
+    """The model the request is routed as: ``model``, else the router's default
+    (``Tokenizers.for_request``, the one place it is settled)."""
     raw: bytes | None = None
     """The body as received (valid JSON, as parsed into ``body``); lets ``inject`` splice the
     bootstrap fields in instead of serializing the whole body again."""
@@ -278,8 +282,8 @@ a thread hop 0.1 ms, so such bodies leave the loop much sooner."""
 class ResolvesTokenizers(Protocol):
     """What the parser asks of ``router.tokenizers.Tokenizers``."""
 
-    def for_request(self, model: str | None) -> tuple[str | None, Tokenizer | None]:
-        """(the canonical model a request naming ``model`` means, its tokenizer or None)."""
+    def for_request(self, named: str | None) -> tuple[str | None, Tokenizer | None]:
+        """(the model a request naming ``named`` is routed as, its tokenizer or None)."""
         ...
 
 
@@ -309,6 +313,7 @@ def parse_request(kind: str, raw: bytes, max_tokens: int, limits: WorkerLimits |
     parsed.raw = raw
     parsed.orjson_parsed = fast
     parsed.tokenizer = tok
+    parsed.route_model = model
     if named:
         parsed.model = model  # canonical: an alias names its model
     if block_size is not None:

@@ -1,12 +1,12 @@
 """One routing decision for a parsed request: where it goes and why.
 
-``decide`` is the one place a request's route is chosen. The model is resolved once
-(``route_model``), the prompt is hashed once by the shared memoized hasher
-(``router.prompt_hashes``; a large body's hashes come from the parser's thread, by the same
-hasher), the policies read one index view through ``RouterState`` (match, tiers, version,
-guards, predictions) and score the candidates. The result is a typed ``Decision`` that
-``dispatch`` executes and that ``/debug/route``, ``kvatlas route`` and the
-``X-Kvatlas-Route`` header print (``Decision.describe`` / ``Decision.explain``).
+``decide`` is the one place a request's route is chosen. The model is resolved once, by the
+parser (``Parsed.route_model``, from ``Tokenizers.for_request``), the prompt is hashed once by
+the shared memoized hasher (``router.prompt_hashes``; a large body's hashes come from the
+parser's thread, by the same hasher), the policies read one index view through
+``RouterState`` (match, tiers, version, guards, predictions) and score the candidates. The
+result is a typed ``Decision`` that ``dispatch`` executes and that ``/debug/route``,
+``kvatlas route`` and the ``X-Kvatlas-Route`` header print (``Decision.describe`` / ``Decision.explain``).
 """
 from __future__ import annotations
 
@@ -21,16 +21,11 @@ from router.requests import Parsed
 from router.state import Pair, RouterState
 
 
-def route_model(state: RouterState, parsed: Parsed) -> str | None:
-    """The model whose hash namespace and index a request is routed in: the (canonical) one it
-    names, else the router's ``--model`` (None: the index picks its only one)."""
-    return parsed.model or state.config.model
-
-
-def route_context(state: RouterState, parsed: Parsed) -> RouteContext:
+def route_context(parsed: Parsed) -> RouteContext:
     """What the policies look at for ``parsed``: built once per request and kept across its
-    retries, so that its prompt is hashed once whatever the number of attempts."""
-    return RouteContext(parsed.prompts[0], route_model(state, parsed), parsed.hashes)
+    retries, so that its prompt is hashed once whatever the number of attempts. Its model is
+    the one the parser settled (``Parsed.route_model``)."""
+    return RouteContext(parsed.prompts[0], parsed.route_model, parsed.hashes)
 
 
 @dataclass(frozen=True)
@@ -40,7 +35,7 @@ class Decision:
     pair: Pair
     """The prefill's and the decode's ``Choice`` (worker, matched blocks, candidates)."""
     model: str | None
-    """The model the request was routed as (``route_model``)."""
+    """The model the request was routed as (``Parsed.route_model``)."""
     policy: str
     """The prefill policy's name."""
     decision_us: float

@@ -54,7 +54,7 @@ class RouterState:
         self.decode_policy: Policy = make_policy(
             "power_of_two" if decode_name == "kv_aware" else decode_name)
         self.pools.listeners.append(self._on_pool_change)
-        self.tokenizers = Tokenizers(config, self.metrics, self._served_model)
+        self.tokenizers = Tokenizers(config, self.metrics, self.default_model)
         """Per model, the tokenizer text prompts are encoded with (``start`` loads the flags')."""
         self.pools.listeners.append(self.tokenizers.on_worker)
         self.thresholds = Thresholds(config.busy_queue, config.busy_kv_usage)
@@ -96,21 +96,18 @@ class RouterState:
         index = self.index
         if index is None or not index.ready:
             return {}
-        name = self._index_model(index, model)
+        name = index.model or model
         found = index.match_tiers(name, hashes) if name else {}
         return self.guards.filter(found) if found else found
-
-    def _index_model(self, index: IndexReader, model: str | None) -> str | None:
-        # An index of one model answers for it whatever the request names (the pools serve
-        # that model only); otherwise the request's model, the configured one, or the only one.
-        return index.model or model or self.config.model or self._only_model(index)
 
     def index_match(self, hashes: Sequence[int], model: str | None) -> dict[str, int]:
         """The index's match for a request's ``model``, every instance included."""
         index = self.index
         if index is None or not index.ready:
             return {}
-        name = self._index_model(index, model)
+        # An index of one model answers for it whatever the request names (the pools serve
+        # that model only); otherwise the model the request is routed as (``default_model``).
+        name = index.model or model
         # An unknown name answers {} without growing the index (memory would follow clients).
         return index.match(name, hashes) if name else {}
 
@@ -148,18 +145,16 @@ class RouterState:
             return None
         return index.version()
 
-    def _served_model(self) -> str | None:
-        """The one model the pools serve, if exactly one."""
-        served = self.pools.models()
-        return next(iter(served)) if len(served) == 1 else None
-
-    def _only_model(self, index: IndexReader) -> str | None:
-        """The model a request naming none means: the one the pools serve, or else the one
-        the index holds, when there is exactly one (SGLang clients rarely send a model)."""
+    def default_model(self) -> str | None:
+        """The model a request naming none is routed as (SGLang clients rarely send one):
+        ``--model``, else the one model the pools serve, else the one the index holds."""
+        if self.config.model is not None:
+            return self.config.model
         served = self.pools.models()
         if len(served) == 1:
             return next(iter(served))
-        if not served:
+        index = self.index
+        if not served and index is not None and index.ready:
             held = index.models()
             if len(held) == 1:
                 return next(iter(held))

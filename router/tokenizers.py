@@ -48,7 +48,7 @@ class Tokenizers:
         self.config = config
         self.metrics = metrics
         self.default_model = default_model
-        """The model a request naming none means (the one the pools serve, when one)."""
+        """The model a request naming none means (``RouterState.default_model``)."""
         self._flags = dict(config.tokenizers)
         self._default: Tokenizer | None = None
         """``--tokenizer PATH``: every model without its own."""
@@ -86,20 +86,21 @@ class Tokenizers:
         tok = self._per_model.get(model)
         return tok if tok is not None else self._default
 
-    def for_request(self, model: str | None) -> tuple[str | None, Tokenizer | None]:
-        """(canonical model, tokenizer) for a request naming ``model`` (None: the default)."""
-        if model is None:
-            resolved = self.config.model or self.default_model()
-            return None, self.get(resolved)
-        model = self.canonical(model)
+    def for_request(self, named: str | None) -> tuple[str | None, Tokenizer | None]:
+        """(the model a request naming ``named`` is routed as, its tokenizer or None).
+
+        The one place a request's model is settled: the canonical name it gives (an alias
+        names its model), else ``default_model`` (--model, the one model the pools serve, the
+        one the index holds). Its hash namespace, index, tokenizer and prompt limit follow."""
+        model = self.canonical(named) if named else self.default_model()
         return model, self.get(model)
 
     def note_load_only(self, model: str | None) -> None:
-        """A text request of ``model`` was routed on load alone: counted, warned once."""
+        """A text request routed as ``model`` (``for_request``) was routed on load alone:
+        counted, warned once."""
         m = self.metrics
-        label = model or self.config.model or self.default_model() or NO_MODEL
-        m.child(m.load_only_requests, label).inc()
-        self._untokenizable(None if label == NO_MODEL else label)
+        m.child(m.load_only_requests, model or NO_MODEL).inc()
+        self._untokenizable(model)
 
     # --- start-up -------------------------------------------------------------------------
 

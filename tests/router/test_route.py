@@ -56,9 +56,11 @@ def _state() -> RouterState:
 def test_decide_resolves_the_model_once_and_is_what_debug_route_prints() -> None:
     state = _state()
     ids = list(range(1, 16 * 5 + 3))
-    parsed = parse_request(GENERATE, json.dumps({"input_ids": ids}).encode(), 64)
-    ctx = route_context(state, parsed)
-    assert parsed.model is None and ctx.model == "tiny"  # the router's --model
+    parsed = parse_request(GENERATE, json.dumps({"input_ids": ids}).encode(), 64,
+                           tokenizers=state.tokenizers)
+    ctx = route_context(parsed)
+    # Settled by the parser, once: the body names none, so the router's --model.
+    assert parsed.model is None and parsed.route_model == "tiny" and ctx.model == "tiny"
     decision = decide(state, ctx)
     assert isinstance(decision, Decision)
     assert decision.model == "tiny" and decision.policy == "kv_aware"
@@ -79,3 +81,20 @@ def test_decide_resolves_the_model_once_and_is_what_debug_route_prints() -> None
     again = decide(state, ctx, exclude={p.worker.instance_id})
     assert again.pair.prefill.worker is not p.worker
     assert again.pair.prefill.hashes is hashed
+
+
+def test_a_request_naming_no_model_is_routed_as_the_one_model_served() -> None:
+    """Without --model: the one model the pools serve, else none (the index's only one is
+    asked once it is loaded); a named alias is routed as its canonical model."""
+    state = RouterState(RouterConfig(prefill=[("http://127.0.0.1:1", None)],
+                                     decode=["http://127.0.0.1:3"], block_size=16))
+    assert state.tokenizers.for_request(None)[0] is None
+    state.pools.add("prefill", "http://127.0.0.1:4", model="m1")
+    assert state.default_model() == "m1"
+    raw = json.dumps({"input_ids": [1, 2, 3]}).encode()
+    assert parse_request(GENERATE, raw, 64, tokenizers=state.tokenizers).route_model == "m1"
+    state.pools.add("prefill", "http://127.0.0.1:5", model="m2")
+    assert state.default_model() is None
+    named = parse_request(GENERATE, json.dumps({"input_ids": [1], "model": "m2"}).encode(), 64,
+                          tokenizers=state.tokenizers)
+    assert named.model == named.route_model == "m2"
