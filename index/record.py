@@ -39,8 +39,12 @@ logger = logging.getLogger(__name__)
 RECORD_VERSION = 1
 """The record version this kvatlas writes and the newest it reads."""
 
-PREFILL, DECODE, MONOLITHIC = "prefill", "decode", "monolithic"
-ROLES = (PREFILL, DECODE, MONOLITHIC)
+PREFILL, DECODE, AGGREGATED = "prefill", "decode", "aggregated"
+"""An ``aggregated`` instance prefills and decodes its own requests (no PD pair): a router
+sends it whole requests, with no bootstrap fields."""
+MONOLITHIC = "monolithic"
+"""The name records used for ``aggregated`` before it had routers; read as ``aggregated``."""
+ROLES = (PREFILL, DECODE, AGGREGATED)
 
 DEFAULT_ENGINE = "kvatlas"
 """The engine kind of a record that names none (every record written before ``engine``)."""
@@ -145,6 +149,8 @@ def _namespace(v: Any) -> HashNamespace:
 
 
 def _role(v: Any) -> str:
+    if v == MONOLITHIC:
+        return AGGREGATED
     if v not in ROLES:
         raise ValueError(f"must be one of {list(ROLES)}, got {v!r}")
     return v
@@ -201,7 +207,7 @@ class InstanceRecord:
 
     instance_id: str
     role: str
-    """``prefill``, ``decode`` or ``monolithic`` (routers use prefill and decode only)."""
+    """``prefill``, ``decode`` or ``aggregated`` (``monolithic`` in a record reads as it)."""
     model: str | None = None
     url: str | None = None
     """The instance's HTTP base URL; a router skips a record without a usable one."""
