@@ -12,10 +12,14 @@ from index.events.endpoints import offset_endpoint
 from index.events.subscriber import SubscriberConfig
 from index.hashing import DEFAULT_BLOCK_SIZE
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_instance_id, validate_model
-from index.record import DECODE, PREFILL
+from index.record import AGGREGATED, DECODE, PREFILL
 from index.shards import IndexShards
 
-ROLES = (PREFILL, DECODE)
+ROLES = (PREFILL, DECODE, AGGREGATED)
+SGLANG, VLLM = "sglang", "vllm"
+ENGINES = (SGLANG, VLLM)
+"""What the sidecar can stand beside: SGLang (``/get_server_info``, bootstrap server for PD) or
+vLLM (``/v1/models``; whole requests only: kvatlas's router does not speak vLLM's own PD)."""
 
 
 def http_base(url: str, flag: str) -> tuple[str, str, int]:
@@ -42,11 +46,13 @@ class SidecarConfig:
     instance_id: str
     """The instance id routers and the block index know the engine by."""
     role: str
-    """``prefill`` or ``decode``."""
+    """``prefill``, ``decode`` or ``aggregated`` (serves whole requests; no PD pair)."""
     engine_url: str
     """The engine's HTTP base URL (the record's ``url``: where routers send requests)."""
     model: str
     """The model the engine serves (part of every block key; routers filter on it)."""
+    engine: str = SGLANG
+    """The engine kind: ``sglang`` or ``vllm`` (how it is probed, what the record says)."""
     bootstrap_url: str | None = None
     """Prefill: its SGLang bootstrap server (default: the engine's host, port 8998)."""
     events: SubscriberConfig | None = None
@@ -95,8 +101,18 @@ class SidecarConfig:
         validate_model(self.model)
         if self.role not in ROLES:
             raise ValueError(f"--role must be one of {list(ROLES)}, got {self.role!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.engine == VLLM and self.role != AGGREGATED:
+            raise ValueError(f"--engine vllm needs --role aggregated, got --role {self.role}: "
+                             "kvatlas's router does not speak vLLM's own prefill/decode protocol")
         self.engine_url, host, _ = http_base(self.engine_url, "--engine-url")
-        if self.role == DECODE:
+        if self.role == AGGREGATED:
+            # No PD pair: nobody asks a bootstrap server for its ranks.
+            if self.bootstrap_url is not None:
+                raise ValueError("--bootstrap-url is for SGLang prefills: an aggregated "
+                                 "instance runs no bootstrap server")
+        elif self.role == DECODE:
             if self.bootstrap_url is not None:
                 raise ValueError("--bootstrap-url is for prefills: a decode runs no bootstrap "
                                  "server")
@@ -148,7 +164,12 @@ class SidecarConfig:
         """Sidecar flags (etcd flags are the CLI's own)."""
         d = cls
         parser.add_argument("--instance-id", required=True, help="the engine's instance id")
-        parser.add_argument("--role", required=True, choices=ROLES)
+        parser.add_argument("--role", required=True, choices=ROLES,
+                            help="prefill or decode (an SGLang PD pair), aggregated (serves whole "
+                                 "requests)")
+        parser.add_argument("--engine", default=SGLANG, choices=ENGINES,
+                            help=f"the engine beside the sidecar (default {SGLANG}); vllm: "
+                                 "probed through /health and /v1/models, --role aggregated")
         parser.add_argument("--engine-url", required=True, metavar="URL",
                             help="the engine's HTTP base URL, e.g. http://10.0.0.5:30000")
         parser.add_argument("--model", required=True, help="the model the engine serves")
@@ -156,8 +177,9 @@ class SidecarConfig:
                             help="prefill: its SGLang bootstrap server (default: the engine's "
                                  f"host, port {BOOTSTRAP_PORT})")
         parser.add_argument("--kv-events", default=None, metavar="ENDPOINT",
-                            help="prefill: the endpoint in the engine's --kv-events-config "
-                                 "(a concrete host: the engine connects, the sidecar binds)")
+                            help="prefill or aggregated: the endpoint in the engine's "
+                                 "--kv-events-config (a concrete host: the engine connects, the "
+                                 "sidecar binds; vLLM's tcp://*:P: the sidecar connects)")
         parser.add_argument("--replay", default=None, metavar="ENDPOINT",
                             help="the engine's KV-event replay endpoint, if it has one")
         parser.add_argument("--topic", default="", help="KV-event topic prefix (default: all)")
@@ -206,8 +228,9 @@ class SidecarConfig:
         elif args.replay is not None:
             raise ValueError("--replay needs --kv-events")
         return cls(instance_id=args.instance_id, role=args.role, engine_url=args.engine_url,
-                   model=args.model, bootstrap_url=args.bootstrap_url, events=events,
-                   dp_size=args.dp_size, block_size=args.block_size, tokenizer=args.tokenizer,
+                   model=args.model, engine=args.engine, bootstrap_url=args.bootstrap_url,
+                   events=events, dp_size=args.dp_size, block_size=args.block_size,
+                   tokenizer=args.tokenizer,
                    etcd=access.main_etcd, etcd_prefix=access.prefix,
                    lease_ttl=args.lease_ttl, health_interval=args.health_interval,
                    health_timeout=args.health_timeout, unhealthy_after=args.unhealthy_after,

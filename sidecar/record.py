@@ -13,8 +13,6 @@ logger = logging.getLogger(__name__)
 
 SOURCE = "sidecar"
 """The record's ``source``: who wrote it (the id claim only compares records of one kind)."""
-FOREIGN_ENGINE = "sglang"
-"""The engine kind written when the engine's server info names none (SGLang's does not)."""
 
 
 def _int(doc: dict[str, Any], name: str) -> int | None:
@@ -57,7 +55,8 @@ def build_record(cfg: SidecarConfig, *, info: dict[str, Any], topo: PrefillServe
         page_size=page_size_of(info, topo), block_size=cfg.block_size,
         started_at=started_at, ready=ready, healthy=healthy, source=SOURCE,
         tokenizer=tokenizer if tokenizer is not None else info_tokenizer(info),
-        engine=engine if isinstance(engine, str) and engine else FOREIGN_ENGINE,
+        # The server info's own name (kvatlas's engine says it), else the --engine kind.
+        engine=engine if isinstance(engine, str) and engine else cfg.engine,
         kv_cache_dtype=(topo.kv_cache_dtype if topo else None),
         kv_events=cfg.events.endpoint if cfg.events else None,
         expected_ranks=topo.num_ranks if topo else None,

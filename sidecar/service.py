@@ -80,11 +80,19 @@ class Attachment:
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[None]] = []
         self._warned_page: int | None = None
+        self._warned_model: str | None = None
 
     # --- the record -------------------------------------------------------------------------
 
     def publish(self) -> None:
         cfg, ranks = self.config, self.ranks
+        served = self.info.get("served_model")
+        if served is not None and served != cfg.model and served != self._warned_model:
+            self._warned_model = served
+            logger.warning("instance %s: the engine serves %r, not --model %r: requests naming "
+                           "%r are refused by it; give the sidecar --model %s (or the engine "
+                           "--served-model-name %s)", cfg.instance_id, served, cfg.model,
+                           cfg.model, served, cfg.model)
         topo = ranks.topology if ranks else None
         page = page_size_of(self.info, topo)
         if page is not None and page != cfg.block_size and page != self._warned_page:
@@ -238,7 +246,8 @@ class Sidecar:
     def __init__(self, config: SidecarConfig) -> None:
         self.config = config
         self.client = EtcdClient(config.etcd)
-        self.probe = EngineProbe(config.engine_url, config.health_timeout)
+        self.probe = EngineProbe(config.engine_url, config.health_timeout,
+                                 engine=config.engine, model=config.model)
         self.bootstrap = BootstrapClient(BootstrapClientConfig(
             tries=1, retry_interval_s=0.0, timeout_s=max(1.0, config.health_timeout)))
         self.tokenizer: dict[str, Any] | None = None

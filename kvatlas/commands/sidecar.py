@@ -16,7 +16,9 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "sidecar", help="run beside a foreign engine: its record, rank table and KV events in "
                         "etcd under one lease, and its health",
-        description="Publishes the engine's instance record (url, bootstrap address, model, "
+        description="Stands beside an SGLang (--engine sglang: prefill, decode or aggregated) or "
+                    "a vLLM engine (--engine vllm --role aggregated). Publishes the engine's "
+                    "instance record (url, bootstrap address, model, "
                     "block size, tokenizer), mirrors a prefill's SGLang bootstrap rank table into "
                     "etcd, indexes its KV events (every attention-DP rank), and health-checks "
                     "it: unhealthy in the record within seconds, lease revoked after "
@@ -46,7 +48,8 @@ async def _serve(config: Any) -> None:
     await sidecar.start()
     stop = stop_on_signals()
     ev = config.events
-    print(f"kvatlas sidecar: instance {config.instance_id} ({config.role}, {config.model}): "
+    print(f"kvatlas sidecar: instance {config.instance_id} ({config.engine} {config.role}, "
+          f"{config.model}): "
           f"engine {config.engine_url}"
           f"{f', bootstrap {config.bootstrap_url}' if config.bootstrap_url else ''}"
           f"{f', KV events {ev.endpoint} ({config.dp_size} rank(s))' if ev else ''}; etcd "

@@ -38,7 +38,8 @@ def get_status(url: str, timeout: float = 2.0) -> int | None:
 class Spawned:
     """One process (group) with its log in a temporary file."""
 
-    def __init__(self, name: str, args: list[str]) -> None:
+    def __init__(self, name: str, args: list[str], program: list[str] | None = None) -> None:
+        """``program``: what runs ``args`` (default ``python -m kvatlas``)."""
         self.name = name
         self.args = args
         env = dict(os.environ)
@@ -46,7 +47,8 @@ class Spawned:
         env.setdefault("KVATLAS_LOG_LEVEL", "WARNING")
         self.log = tempfile.NamedTemporaryFile(prefix=f"kvatlas-{name}-", suffix=".log",
                                                delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvatlas", *args], cwd=ROOT,
+        program = program or [sys.executable, "-m", "kvatlas"]
+        self.proc = subprocess.Popen([*program, *args], cwd=ROOT,
                                      env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
