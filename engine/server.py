@@ -25,6 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from bootstrap.http_limits import bound_reads, runner_options
 from engine import openai_api
+from engine.aggregated import AGGREGATED_KEY, AggregatedConfig, register
 from engine.config import ModelConfig
 from engine.errors import BadRequest
 from engine.http_common import (
@@ -234,6 +235,9 @@ def prepare_model_path(cfg: EngineServerConfig, model: ModelConfig, run_dir: str
 
 
 async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Build and start the engine, serve, stop. Each resource's close goes on the exit stack
+    as soon as it is opened, so a start that fails at any step (an instance id in use, a port
+    in use) closes everything opened before it, in reverse order."""
     cfg = app[CONFIG_KEY]
     model = cfg.model_config
     cfg.check_tp(1)
@@ -248,39 +252,48 @@ async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         return build_scheduler(model, cfg.kv_pages, cfg.page_size, cfg.max_batch_tokens,
                                cfg.enable_prefix_cache, cfg.max_running, model=weights,
                                tokenizer=tok, host_pages=cfg.host_pages)
-    sched = await loop.run_in_executor(None, build)
-    publisher = None
-    sink = None
-    if cfg.kv_events:
-        from index.events.publisher import KVEventPublisher, PublisherConfig
-        publisher = KVEventPublisher(PublisherConfig(
-            endpoint=cfg.kv_events, replay_endpoint=cfg.kv_events_replay,
-            topic=cfg.kv_events_topic))
-        await publisher.start()
-        sink = publisher.drain
-    engine = AsyncEngine(sched, event_sink=sink)
-    with tempfile.TemporaryDirectory(prefix="kvatlas-engine-") as run_dir:
+    async with contextlib.AsyncExitStack() as stack:
+        sched = await loop.run_in_executor(None, build)
+        sink = None
+        registration = None
+        if AGGREGATED_KEY in app:
+            # registered (not ready yet) before the engine starts: its first KV events are
+            # indexed, and a refused id stops the start before anything serves
+            registration = await register(stack, app[AGGREGATED_KEY], sched.tokenizer)
+            sink = registration.sink
+        elif cfg.kv_events:
+            from index.events.publisher import KVEventPublisher, PublisherConfig
+            publisher = KVEventPublisher(PublisherConfig(
+                endpoint=cfg.kv_events, replay_endpoint=cfg.kv_events_replay,
+                topic=cfg.kv_events_topic))
+            stack.push_async_callback(publisher.close)
+            await publisher.start()
+            sink = publisher.drain
+        engine = AsyncEngine(sched, event_sink=sink)
+        run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvatlas-engine-"))
         model_path = prepare_model_path(cfg, model, run_dir)
         app[STATE_KEY] = EngineState(cfg, model, sched.tokenizer, engine,
                                      make_registry(engine, cfg.model_name), model_path,
                                      time.time())
         await engine.start()
+        stack.push_async_callback(engine.stop)
+        if registration is not None:
+            registration.serving()
         logger.info("engine %s (%s) ready: %d KV pages of %d tokens, model_path %s, tokenizer %s",
-                 cfg.model_name, cfg.mode, cfg.kv_pages, cfg.page_size, model_path,
-                 tokenizer_record(sched.tokenizer))
-        try:
-            yield
-        finally:
-            await engine.stop()
-            if publisher is not None:
-                await publisher.close()
+                    cfg.model_name, cfg.mode, cfg.kv_pages, cfg.page_size, model_path,
+                    tokenizer_record(sched.tokenizer))
+        yield
 
 
-def create_app(config: EngineServerConfig) -> web.Application:
+def create_app(config: EngineServerConfig, cluster: AggregatedConfig | None = None
+               ) -> web.Application:
+    """The engine's app; with ``cluster``, registered in etcd as an aggregated instance."""
     app = web.Application(middlewares=[error_middleware],
                           client_max_size=config.max_request_bytes)
     bound_reads(app, config.read_timeout_s)
     app[CONFIG_KEY] = config
+    if cluster is not None:
+        app[AGGREGATED_KEY] = cluster
     app.cleanup_ctx.append(engine_ctx)
     r = app.router
     r.add_post("/generate", generate)
@@ -301,9 +314,9 @@ def create_app(config: EngineServerConfig) -> web.Application:
     return app
 
 
-def run(config: EngineServerConfig) -> None:
+def run(config: EngineServerConfig, cluster: AggregatedConfig | None = None) -> None:
     """Serve until interrupted (blocking; used by the CLI)."""
     # a client that hangs up cancels its handler, which aborts its engine requests
-    app = create_app(config)
+    app = create_app(config, cluster)
     web.run_app(app, host=config.host, port=config.port, print=None, access_log=None,
                 handler_cancellation=True, **runner_options(app))

@@ -24,7 +24,6 @@ from engine.ranks.uplink import UplinkServer
 from engine.runner import load_model
 from engine.scheduler import Scheduler
 from index.rooms import ROUTER_ROOMS
-from tokenization import tokenizer_record
 from transfer import KVLayout
 from transfer.layout import dtype_from_name
 
@@ -64,22 +63,6 @@ def build_rank(cfg: PDConfig, info: RankInfo, dist: Dist) -> tuple[Scheduler, KV
                              head_dim=m.head_dim, page_size=e.page_size, dtype=cfg.kv_dtype,
                              tp_rank=info.tp_rank, tp_size=info.tp_size)
     return sched, layout
-
-
-def served_fields(cfg: PDConfig, sched: Scheduler) -> dict[str, Any]:
-    """What an instance's etcd record says about what it serves, beside ``model`` (the served
-    name): ``tokenizer`` (``tokenization.tokenizer_record``: its source and fingerprint, so
-    that a router can tell whether it tokenizes as this engine does), ``context_length``, and
-    the longest prompt and body it takes, and what it holds at once (``max_running_requests``,
-    its KV pool as ``max_total_num_tokens``: router/capacity.py), as ``/server_info`` reports
-    them."""
-    e, m = cfg.engine, cfg.engine.model_config
-    return {"tokenizer": tokenizer_record(sched.tokenizer),
-            "context_length": m.max_positions,
-            "max_prompt_tokens": min(m.max_prompt_tokens, e.kv_pages * e.page_size),
-            "max_body_bytes": e.max_request_bytes,
-            "max_running_requests": e.max_running,
-            "max_total_num_tokens": e.kv_pages * e.page_size}
 
 
 @dataclass(frozen=True)

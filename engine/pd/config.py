@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import uuid
 from dataclasses import dataclass, field
 
 from bootstrap.config import AUTH_TOKEN_ENV, DEFAULT_PORT
+from engine.registration import check_advertise_host, public_host
 from engine.serve_config import EngineServerConfig
 from index.access import DEFAULT_LEASE_TTL, ClusterAccess
 from index.etcd import EtcdSettings
@@ -20,7 +20,6 @@ from transfer.layout import DTYPES
 
 LOAD_BALANCE = ("follow_bootstrap_room", "round_robin")
 """Environment variable read when ``--auth-token`` is not given (keeps it out of ``ps``)."""
-WILDCARDS = ("0.0.0.0", "::", "")
 _ADDR = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 
 
@@ -109,10 +108,7 @@ class PDConfig:
                                             or any(c.isspace() for c in self.auth_token)):
             raise ValueError("--auth-token must be non-empty without whitespace; omit it (and "
                              f"{AUTH_TOKEN_ENV}) to turn bootstrap auth off")
-        if self.advertise_host is not None and (not self.advertise_host.strip()
-                                                or self.advertise_host in WILDCARDS):
-            raise ValueError(f"--advertise-host must be a host peers can dial, got "
-                             f"{self.advertise_host!r}")
+        check_advertise_host(self.advertise_host)
         if self.engine.kv_events is not None:
             # Standalone, as SGLang runs: the instance publishes its KV events and a sidecar
             # beside it indexes them. With --etcd it indexes its own blocks instead.
@@ -139,11 +135,7 @@ class PDConfig:
     @property
     def public_host(self) -> str:
         """The host peers dial (see ``advertise_host``)."""
-        if self.advertise_host:
-            return self.advertise_host
-        if self.engine.host in WILDCARDS:
-            return socket.getfqdn()  # a wildcard is not dialable
-        return self.engine.host
+        return public_host(self.engine.host, self.advertise_host)
 
     @property
     def world_size(self) -> int:

@@ -27,7 +27,7 @@ from engine import server as mono
 from engine.errors import BadRequest
 from engine.http_common import json_error, sse_end, sse_response, sse_send, until_disconnected
 from engine.pd.batch import PDItem, answer_batch, item_ids, read_openai_item, read_pd_items
-from engine.pd.common import Bootstrap, served_fields, start_group_leader, worker_app
+from engine.pd.common import Bootstrap, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.fetch import DecodeRank, FetchError
 from engine.pd.registration_decode import DecodeRecord
@@ -36,6 +36,7 @@ from engine.pd.rooms import RoomLog, RoomRecord
 from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, start_engine
 from engine.ranks.replica import ReplicatedScheduler
 from engine.ranks.uplink import UplinkServer
+from engine.registration import served_fields
 from engine.runner import AsyncEngine
 from engine.scheduler import Request
 from transfer import HeartbeatMonitor, ReceiveResult, create_receiver
@@ -368,7 +369,8 @@ async def start_decode(app: web.Application, stack: contextlib.AsyncExitStack) -
     sched, layout, replica, uplink = await start_group_leader(cfg, info, dist)
     if uplink is not None:
         stack.push_async_callback(uplink.close)
-    record = DecodeRecord(cfg, info, served_fields(cfg, sched)) if cfg.etcd is not None else None
+    record = (DecodeRecord(cfg, info, served_fields(cfg.engine, sched.tokenizer))
+              if cfg.etcd is not None else None)
     close_record = None
     if record is not None:
         await record.claim()  # before anything runs that a refusal would have to stop

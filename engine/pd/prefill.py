@@ -34,11 +34,12 @@ from engine import server as mono
 from engine.errors import BadRequest, CapacityError
 from engine.http_common import json_error, until_disconnected
 from engine.pd.batch import PDItem, answer_batch, item_ids, read_openai_item, read_pd_items
-from engine.pd.common import Bootstrap, served_fields, start_group_leader, worker_app
+from engine.pd.common import Bootstrap, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, rank_route, start_engine
 from engine.ranks.replica import ReplicatedScheduler
 from engine.ranks.uplink import UplinkServer
+from engine.registration import served_fields
 from engine.runner import AsyncEngine
 from index.events.endpoints import offset_endpoint
 from index.events.feed import EventFeed
@@ -306,7 +307,7 @@ async def start_prefill(app: web.Application, stack: contextlib.AsyncExitStack) 
     writer = sink = None
     if info.world_rank == 0:
         writer, sink = await start_bootstrap(cfg, ranks, bport, stack, served_fields(
-            cfg, sched))
+            cfg.engine, sched.tokenizer))
     # Made after the bootstrap server is up: a start it refuses (a port in use, an instance id
     # in use) has no session to close.
     session = aiohttp.ClientSession()

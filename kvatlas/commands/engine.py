@@ -1,5 +1,6 @@
-"""``kvatlas engine serve``: run one engine worker: monolithic, or one half of a prefill/decode
-pair (``--mode prefill|decode``, one process per rank)."""
+"""``kvatlas engine serve``: run one engine worker: monolithic (with ``--etcd``: registered as an
+``aggregated`` instance, ``engine.aggregated``), or one half of a prefill/decode pair
+(``--mode prefill|decode``, one process per rank)."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     sub = parser.add_subparsers(dest="engine_command", metavar="ACTION", required=True)
     serve = sub.add_parser("serve", help="serve the engine's HTTP API",
                            description="Serve the reference engine (SGLang/OpenAI-compatible "
-                                       "HTTP): monolithic, or one half of a PD pair.")
+                                       "HTTP): monolithic (with --etcd: an aggregated instance "
+                                       "of the cluster), or one half of a PD pair.")
     EngineServerConfig.add_cli_args(serve)
     PDConfig.add_cli_args(serve)
     ClusterAccess.add_cli_args(serve, index=True)
@@ -31,9 +33,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = EngineServerConfig.from_cli_args(args)
     if engine.mode == "monolithic":
+        from engine.aggregated import AggregatedConfig
         from engine.server import run
 
-        run(engine)
+        run(engine, AggregatedConfig.from_cli_args(args, engine))
         return 0
     from engine.pd.config import PDConfig
     from engine.ranks.launch import serve
