@@ -21,7 +21,9 @@ def register(subparsers: Any) -> None:
                     "pools and breakers; per prefill why the router could see no prefix there "
                     "(settings it ignores, events rejected by reason, no events from an "
                     "instance that served requests, blocks that never match its hashes); the "
-                    "index mirror, and a probe through the router.")
+                    "index mirror, and a probe through the router. Per vLLM instance (sidecar --engine "
+                    "vllm): KV events arrive, prefix caching on, block size matches, blocks "
+                    "in the base namespace (no LoRA adapters, no salted blocks).")
     add_cluster_etcd_args(p, index=True)
     p.add_argument("--router", default=None, metavar="URL",
                    help="router base URL (default: the run dir's, else no router checks)")
@@ -31,7 +33,8 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from kvatlas.launcher.doctor import Doctor
+    from kvatlas.commands._doctor_vllm import vllm_doctor_links
+    from kvatlas.launcher.doctor import Doctor, Link
 
     access = cluster_access(args)
     router = None
@@ -45,6 +48,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     doctor = Doctor(access.main_etcd, access.layout, router, timeout=args.timeout,
                     index_etcd=access.index_shards)
     links = asyncio.run(doctor.run())
+    # vLLM's own silent-zero-hit causes, per vLLM instance, whatever link the chain stopped at.
+    links += [Link(name, ok, detail, "" if ok else hint) for name, ok, detail, hint in
+              asyncio.run(vllm_doctor_links(access.main_etcd, access.layout, args.timeout))]
     if args.json:
         print(json.dumps([vars(link) for link in links], indent=2))
     else:

@@ -81,9 +81,12 @@ async def complete(p: VllmProcs, prompt: str, stream: bool = False) -> Any:
             return await resp.text() if stream else await resp.json()
 
 
+@pytest.mark.parametrize("encoding", ["array", "map"])
 async def test_a_vllm_engine_is_registered_indexed_and_removed_when_it_dies(
-        etcd_endpoint: str, etcd_settings: EtcdSettings, procs: list[VllmProcs]) -> None:
-    p = VllmProcs(etcd_endpoint)
+        etcd_endpoint: str, etcd_settings: EtcdSettings, procs: list[VllmProcs],
+        encoding: str) -> None:
+    # array: msgspec's array_like tagged structs (older vLLM); map: vLLM 0.33's.
+    p = VllmProcs(etcd_endpoint, stub=("--encoding", encoding))
     procs.append(p)
     async with EtcdClient(etcd_settings) as etcd:
         rec = await wait_until(lambda: record(etcd, p), what="the sidecar writes v0's record",
