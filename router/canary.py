@@ -31,7 +31,7 @@ from typing import Any
 from index.hashing import BASE_SEED, block_hashes
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.workers import ETCD, PREFILL, Worker
+from router.workers import COMPUTE_ROLES, ETCD, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Canaries:
         """Prefill ``worker`` served a prompt of ``tokens`` (``hashes``: its block hashes in
         the base namespace when the policy made them, else they are made here if needed)."""
         bs = self.config.block_size
-        if worker.role != PREFILL or len(tokens) < bs:
+        if worker.role not in COMPUTE_ROLES or len(tokens) < bs:
             return
         iid = worker.instance_id
         st = self._stats.get(iid)

@@ -116,6 +116,9 @@ class RouterConfig(RoutingSettings, ResilienceSettings):
     """Static prefill workers: (URL, bootstrap port or None for the prefill's default 8998)."""
     decode: list[str] = field(default_factory=list)
     """Static decode worker URLs."""
+    worker_urls: list[str] = field(default_factory=list)
+    """Static aggregated workers (sglang-router's regular mode, ``--worker-urls``): each serves
+    whole requests, sent as received with no bootstrap fields."""
     admin_token: str | None = None
     """Token required by POST/DELETE /workers (``Authorization: Bearer T``); None: admin off."""
     forward_client_auth: bool = False
@@ -180,6 +183,7 @@ class RouterConfig(RoutingSettings, ResilienceSettings):
         ResilienceSettings.__post_init__(self)
         self.prefill = [(check_url(u), parse_bootstrap_port(p)) for u, p in self.prefill]
         self.decode = [check_url(u) for u in self.decode]
+        self.worker_urls = [check_url(u) for u in self.worker_urls]
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.admin_token is not None and len(self.admin_token) < 8:
@@ -222,8 +226,12 @@ class RouterConfig(RoutingSettings, ResilienceSettings):
                             help="static prefill worker, repeatable")
         parser.add_argument("--decode", action="append", default=[], metavar="URL",
                             help="static decode worker, repeatable")
+        parser.add_argument("--worker-urls", nargs="+", action="extend", default=[],
+                            metavar="URL", help="static aggregated workers (sglang-router's "
+                                                "regular mode): each serves whole requests")
         parser.add_argument("--pd-disaggregation", action="store_true",
-                            help="accepted for sglang-router compatibility (always PD)")
+                            help="accepted for sglang-router compatibility (PD pools are "
+                                 "those of --prefill/--decode and of prefill/decode records)")
         parser.add_argument("--admin-token", default=None,
                             help=f"token for POST/DELETE /workers (default: ${ADMIN_TOKEN_ENV}, "
                                  "which keeps it out of ps; neither: admin disabled)")
@@ -284,7 +292,7 @@ class RouterConfig(RoutingSettings, ResilienceSettings):
             host=args.host, port=args.port, etcd=access.etcd, index_etcd=access.index_shards,
             etcd_prefix=access.prefix, model=args.model,
             tokenizers=parse_tokenizer_flags(args.tokenizer),
-            prefill=prefill, decode=list(args.decode),
+            prefill=prefill, decode=list(args.decode), worker_urls=list(args.worker_urls),
             admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
             forward_client_auth=args.forward_client_auth,
             max_body=args.max_body, max_prompt_tokens=args.max_prompt_tokens,

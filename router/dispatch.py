@@ -27,7 +27,7 @@ from router.explain import EXPLAIN_HEADER, last_cached_tokens, reported_cached_t
 from router.http.client import UpstreamError, UpstreamResponse
 from router.http.headers import encode_headers
 from router.http.server import Request, Response, Stream
-from router.requests import Parsed, inject
+from router.requests import Parsed, inject, with_rid
 from router.route import decide, route_context
 from router.state import Pair, RouterState
 from router.upstreams import Upstreams
@@ -122,22 +122,32 @@ class Dispatcher:
                 break
             pair = decision.pair
             p = pair.prefill.worker
+            decode = pair.decode.worker if pair.decode is not None else None
             if client_rid is not None:
                 rid = engine_rid(client_rid)
                 echo = RidEcho(rid, client_rid)
-            body, rooms = inject(parsed, p.bootstrap_host, p.bootstrap_port, rid)
+            if decode is None:  # aggregated: the body as received (the engine's own rid)
+                body, rooms = with_rid(parsed, rid), None
+            else:
+                body, rooms = inject(parsed, p.bootstrap_host, p.bootstrap_port, rid)
             state.on_routed(pair)
             reply = {"x-request-id": request_id}
             if explaining:
                 reply[EXPLAIN_HEADER] = decision.explain(state)
-            held = (cap.take(p, need, False), cap.take(pair.decode.worker, need, True)) \
-                if need is not None else (0, 0)
+            # The worker that answers the client holds the prompt and what it generates.
+            answering = decode or p
+            held = (cap.take(p, need, False) if decode is not None else 0,
+                    cap.take(answering, need, True)) if need is not None else (0, 0)
             try:
-                result = await self._attempt(request, path, pair, body, wire_headers,
-                                             parsed.stream, reply, echo, held[0])
+                if decode is None:
+                    result = await self._attempt_one(request, path, p, body, wire_headers,
+                                                     parsed.stream, reply, echo)
+                else:
+                    result = await self._attempt(request, path, pair, body, wire_headers,
+                                                 parsed.stream, reply, echo, held[0])
             finally:
-                # The decode's call ended with the attempt (a stream: once it was relayed).
-                cap.give(pair.decode.worker, held[1], finished=True)
+                # The answering call ended with the attempt (a stream: once it was relayed).
+                cap.give(answering, held[1], finished=True)
             if not isinstance(result, Failure):
                 if not isinstance(result, Response) or result.status < 400:
                     # Served (a stream only starts on the decode's 200): the prefill computed
@@ -146,9 +156,9 @@ class Dispatcher:
                 return result
             last = result
             failed.add(result.failed)
-            logger.info("attempt %d of %s (room %d, rid %s for the client's %s) failed with %d "
-                        "on %s", attempt + 1, request_id, rooms[0], rid, client_rid,
-                        result.status, result.failed)
+            logger.info("attempt %d of %s (room %s, rid %s for the client's %s) failed with %d "
+                        "on %s", attempt + 1, request_id, rooms[0] if rooms else None, rid,
+                        client_rid, result.status, result.failed)
         assert last is not None
         return last.answer(request_id)
 
@@ -233,6 +243,54 @@ class Dispatcher:
         return await self._stream(request, decode, resp, first, reply, t0, prefill_call,
                                   echo)
 
+    async def _attempt_one(self, request: Request, path: str, worker: Worker, body: bytes,
+                           headers: bytes, stream: bool, reply: dict[str, str],
+                           echo: RidEcho | None) -> Response | Stream | Failure:
+        """One attempt at an aggregated ``worker``, which serves the whole request: retried
+        (another worker) on a transport error or a retryable status before its first byte,
+        as a decode's is."""
+        worker.requests += 1
+        worker.load += 1  # counted now so that the very next decision sees it
+        t0 = time.perf_counter()
+        call = self.upstreams.of(worker).call("POST", path, headers, body, stream=stream)
+        relayed = False
+        try:
+            try:
+                resp = await call
+                if not stream:
+                    first = resp.take()
+                elif resp.status == 200:
+                    first = await resp.read_chunk()
+                else:
+                    first = await resp.read()  # an error is answered (or retried) whole
+            except asyncio.CancelledError:
+                _drop(call)
+                raise
+            except UpstreamError as exc:
+                _record(self.state, worker, None, "transport")
+                _drop(call)
+                return Failure.of_router(502, f"worker {worker.instance_id} failed: {exc}",
+                                         worker.instance_id)
+            status = resp.status
+            if status in RETRY_STATUSES or status >= 500:
+                _record(self.state, worker, status)
+                resp.release()
+                return Failure(status, first, resp.content_type, worker.instance_id)
+            if not stream or status != 200:
+                _record(self.state, worker, status)
+                self.state.metrics.latency[worker.role].observe(time.perf_counter() - t0)
+                resp.release()
+                if status == 200:
+                    self.state.metrics.engine_cached.inc(reported_cached_tokens(first))
+                if echo is not None:
+                    first = echo.whole(first)
+                return Response(status, first, resp.content_type, reply)
+            relayed = True  # _stream releases the worker's load
+            return await self._stream(request, worker, resp, first, reply, t0, None, echo)
+        finally:
+            if not relayed:
+                worker.load -= 1
+
     def _prefill_failure(self, prefill: Worker, err: str) -> Failure:
         return Failure.of_router(502, f"prefill {prefill.instance_id} failed: {err}",
                                  prefill.instance_id)
@@ -261,8 +319,10 @@ class Dispatcher:
 
     async def _stream(self, request: Request, decode: Worker, upstream: UpstreamResponse,
                       first: bytes, reply: dict[str, str], t0: float,
-                      prefill_call: asyncio.Future[UpstreamResponse],
+                      prefill_call: asyncio.Future[UpstreamResponse] | None,
                       echo: RidEcho | None) -> Stream:
+        """Relay ``upstream``'s stream from ``decode`` (a PD decode, or an aggregated worker
+        with no ``prefill_call``) to the client."""
         ended = broken = False
         request_id = reply["x-request-id"]
         cached = 0
@@ -299,10 +359,11 @@ class Dispatcher:
             else:
                 # Closing both connections is how the engines learn to abort the request.
                 upstream.close()
-                _drop(prefill_call)
+                if prefill_call is not None:
+                    _drop(prefill_call)
                 if broken:
                     _record(self.state, decode, None, "stream")
-            self.state.metrics.latency["decode"].observe(time.perf_counter() - t0)
+            self.state.metrics.latency[decode.role].observe(time.perf_counter() - t0)
         return out
 
 

@@ -1,7 +1,8 @@
 """Why a request went where it went.
 
 - ``X-Kvatlas-Route``: an opt-in response header (the request sends ``X-Kvatlas-Explain: 1``,
-  or the router runs with ``--explain-routes``) carrying the chosen pair, the prompt's blocks,
+  or the router runs with ``--explain-routes``) carrying the chosen pair (or, for an
+  aggregated worker, ``"worker"`` in place of ``"prefill"`` and ``"decode"``), the prompt's blocks,
   the chosen prefill's match by cache tier and the terms of its cost, as compact JSON::
 
       {"prefill":"p0","decode":"d0","block_size":16,"prompt_blocks":12,"matched_blocks":8,
@@ -43,8 +44,10 @@ def wanted(headers: Mapping[str, str], config: RouterConfig) -> bool:
 def explain(pair: Pair, config: RouterConfig, policy: str) -> str:
     """The header value for ``pair`` (compact JSON, ASCII)."""
     p, d = pair.prefill, pair.decode
+    where = ({"worker": p.worker.instance_id} if d is None
+             else {"prefill": p.worker.instance_id, "decode": d.worker.instance_id})
     doc: dict[str, Any] = {
-        "prefill": p.worker.instance_id, "decode": d.worker.instance_id,
+        **where,
         "block_size": config.block_size, "prompt_blocks": p.prompt_blocks,
         "matched_blocks": p.matched_blocks, "index_blocks": p.indexed_blocks,
         "best_matched_blocks": p.best_matched}

@@ -18,7 +18,7 @@ from router.json_body import load_json
 from router.requests import ANY, CHAT, COMPLETIONS, GENERATE, Parsed, parse_body
 from router.route import decide, route_context
 from router.state import RouterState
-from router.workers import ADMIN, DECODE, PREFILL, ROLES
+from router.workers import ADMIN, AGGREGATED, DECODE, PREFILL, ROLES
 
 logger = logging.getLogger(__name__)
 
@@ -171,14 +171,16 @@ async def liveness(svc: Services, request: Request) -> Response:
 async def readiness(svc: Services, request: Request) -> Response:
     state = svc.state
     detail: dict[str, Any] = {}
-    ready = True
+    can: dict[str, bool] = {}
     for role in ROLES:
         workers = [w for w in state.pools.pool(role) if w.counted]
         available = sum(1 for w in workers if w.available)
+        can[role] = available > 0
         detail[role] = {"total": len(workers), "available": available}
         if not available:
-            ready = False
             detail[role]["reason"] = state.pools.unavailable_reason(role)
+    # Ready when some shape can serve: a prefill and a decode, or an aggregated worker.
+    ready = (can[PREFILL] and can[DECODE]) or can[AGGREGATED]
     detail["index"] = state.index_detail()
     detail["status"] = "ready" if ready else "not ready"
     return json_response(detail, status=200 if ready else 503)
@@ -263,7 +265,7 @@ async def delete_worker(svc: Services, request: Request) -> Response:
     url, iid = args.get("url"), args.get("instance_id")
     if isinstance(iid, str):
         state.pools.refuse_discovered(f"worker {iid} is not removed", instance_id=iid)
-        gone = [w for w in (state.pools.remove(r, iid) for r in (PREFILL, DECODE)) if w]
+        gone = [w for w in (state.pools.remove(r, iid) for r in ROLES) if w]
     elif isinstance(url, str):
         state.pools.refuse_discovered(f"the workers at {url} are not removed", url=url)
         gone = state.pools.remove_url(url)

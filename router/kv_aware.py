@@ -67,7 +67,7 @@ from router.policy import Choice, Policy, RouteContext
 from router.predictions import Prediction
 from router.prompt_hashes import shared_hasher
 from router.work_load import WorkLoad
-from router.workers import Worker
+from router.workers import PREFILL, Worker
 
 Lookup = Callable[[Sequence[int], "str | None"], dict[str, int]]
 """The block index read path: ``(prompt hashes, model) -> {instance: leading blocks held}``."""
@@ -207,7 +207,10 @@ class KvAware(Policy):
                 top = m
             scored.append(_score(Score, ((n - credited) * weight + load, w.load, m, w, load,
                                          m_index, m_pred, tier, credited)))
-        if cfg.temperature > 0 and len(scored) > 1:
+        gated = self._gate(scored, n, top) if len(scored) > 1 else None
+        if gated is not None:
+            pick = gated
+        elif cfg.temperature > 0 and len(scored) > 1:
             pick = self._sample(scored, cfg.temperature)
         else:
             # Lowest (cost, in-flight requests); ties in pool order, drawn at random.
@@ -224,6 +227,21 @@ class KvAware(Policy):
         return Choice(pick.worker, lambda: _candidates(scored), matched_blocks=pick.matched,
                       prompt_blocks=n, hashes=hashes, indexed_blocks=pick.indexed,
                       model=ctx.model, best_matched=top)
+
+    def _gate(self, scored: list[Score], n: int, top: int) -> Score | None:
+        """sglang-router's cache_aware thresholds, when set: the least loaded candidate (fewest
+        requests in flight, then lowest cost) when the load is out of balance, or when no
+        candidate holds ``cache_threshold`` of the prompt; None: the cost decides."""
+        cfg = self.config
+        loads = [s.load for s in scored]
+        hi, lo = max(loads), min(loads)
+        abs_t, rel_t = cfg.balance_abs_threshold, cfg.balance_rel_threshold
+        unbalanced = (abs_t is not None and hi - lo > abs_t
+                      and (rel_t is None or hi > rel_t * lo))
+        if not unbalanced and not (cfg.cache_threshold is not None and n
+                                   and top < cfg.cache_threshold * n):
+            return None
+        return min(scored, key=lambda s: (s.load, s.cost))
 
     def _unseen_work(self, worker: Worker, now: float) -> float:
         """Work queued at ``worker`` that this router did not send (other routers' requests,
@@ -286,8 +304,10 @@ class KvAware(Policy):
     def on_routed(self, choice: Choice) -> None:
         instance = choice.worker.instance_id
         n = choice.prompt_blocks
-        # A cached block is not free at a PD prefill: its KV still goes to the decode.
-        work = max(n - choice.matched_blocks + self.config.send_weight * n, 1.0)
+        # A cached block is not free at a PD prefill: its KV still goes to the decode. An
+        # aggregated worker sends nothing.
+        send = self.config.send_weight * n if choice.worker.role == PREFILL else 0.0
+        work = max(n - choice.matched_blocks + send, 1.0)
         self.work.add(instance, work)
         self.mean_work += (work - self.mean_work) * 0.05
         if not choice.hashes or choice.indexed_blocks >= n:

@@ -253,7 +253,7 @@ class RouterMetrics:
         # Label lookups cost microseconds each; the hot path reuses the children.
         self._children: dict[tuple[Any, ...], Any] = {}
         self.latency = {role: _fast(self.upstream_latency.labels(role))
-                        for role in ("prefill", "decode")}
+                        for role in ("prefill", "decode", "aggregated")}
         # The unlabelled per-request metrics, counted the same cheap way.
         self.decision = _fast(self.decision_latency)
         self.prefix_hit = _fast(self.prefix_hit_tokens)

@@ -374,6 +374,17 @@ def inject(parsed: Parsed, host: str | None, port: int | None,
     return _dumps(body, parsed.orjson_parsed), rooms
 
 
+def with_rid(parsed: Parsed, rid: str | list[str] | None) -> bytes:
+    """The body for a worker that serves the request whole (aggregated): as received, or with
+    ``rid`` in place of the client's (``router.client_ids``)."""
+    if rid is None and parsed.raw is not None:
+        return parsed.raw
+    body = dict(parsed.body)
+    if rid is not None:
+        body["rid"] = rid
+    return _dumps(body, parsed.orjson_parsed)
+
+
 def _dumps(body: dict[str, Any], orjson_parsed: bool) -> bytes:
     """``body`` as compact JSON in UTF-8. Not ``json.dumps``' default ASCII: it writes each
     non-ASCII character as ``\\uXXXX`` (twice the bytes of CJK text, three times those of

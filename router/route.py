@@ -45,15 +45,26 @@ class Decision:
         """The ``X-Kvatlas-Route`` header value (router/explain.py)."""
         return explain(self.pair, state.config, self.policy)
 
+    @property
+    def shape(self) -> str:
+        """``pd`` (a prefill and a decode) or ``aggregated`` (one worker serves it whole)."""
+        return self.pair.shape
+
     def describe(self, state: RouterState) -> dict[str, Any]:
         """The decision as ``/debug/route`` answers it (``kvatlas route`` prints it)."""
         p, d = self.pair.prefill, self.pair.decode
+        where: dict[str, Any]
+        if d is None:
+            where = {"worker": {"instance_id": p.worker.instance_id, "url": p.worker.url},
+                     "policy": {"worker": self.policy}}
+        else:
+            where = {"prefill": {"instance_id": p.worker.instance_id, "url": p.worker.url,
+                                 "bootstrap_host": p.worker.bootstrap_host,
+                                 "bootstrap_port": p.worker.bootstrap_port},
+                     "decode": {"instance_id": d.worker.instance_id, "url": d.worker.url},
+                     "policy": {"prefill": self.policy, "decode": state.decode_policy.name}}
         return {
-            "prefill": {"instance_id": p.worker.instance_id, "url": p.worker.url,
-                        "bootstrap_host": p.worker.bootstrap_host,
-                        "bootstrap_port": p.worker.bootstrap_port},
-            "decode": {"instance_id": d.worker.instance_id, "url": d.worker.url},
-            "policy": {"prefill": self.policy, "decode": state.decode_policy.name},
+            "shape": self.shape, **where,
             "model": self.model,
             "prompt_blocks": p.prompt_blocks, "matched_blocks": p.matched_blocks,
             "index_blocks": p.indexed_blocks, "block_size": state.config.block_size,

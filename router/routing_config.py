@@ -94,6 +94,16 @@ class RoutingSettings:
     canary_interval: float = 1.0
     """Seconds between two canaries taken for one prefill instance (0: one per served request,
     still at most 4 waiting per instance)."""
+    cache_threshold: float | None = None
+    """sglang-router's ``--cache-threshold``: a request whose best match covers less than this
+    fraction of its prompt goes to the worker with the fewest requests in flight. None (the
+    default): off, kv_aware's cost weighs a hit against load on its own."""
+    balance_abs_threshold: int | None = None
+    """sglang-router's ``--balance-abs-threshold``: with ``balance_rel_threshold``, when the
+    candidates' requests in flight differ by more than this (and the most loaded has more than
+    rel x the least's), the least loaded wins whatever its match. None: off."""
+    balance_rel_threshold: float | None = None
+    """sglang-router's ``--balance-rel-threshold`` (see ``balance_abs_threshold``)."""
 
     def __post_init__(self) -> None:
         for name in ("policy", "prefill_policy", "decode_policy"):
@@ -107,6 +117,14 @@ class RoutingSettings:
         if not self.prediction_ttl > 0:
             raise ValueError(f"prediction_ttl must be > 0, got {self.prediction_ttl}")
         check_thresholds(self.busy_queue, self.busy_kv_usage)
+        if self.cache_threshold is not None and not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be within [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold is not None and self.balance_abs_threshold < 0:
+            raise ValueError("balance_abs_threshold must be >= 0, got "
+                             f"{self.balance_abs_threshold}")
+        if self.balance_rel_threshold is not None and self.balance_rel_threshold < 1.0:
+            raise ValueError("balance_rel_threshold must be >= 1, got "
+                             f"{self.balance_rel_threshold}")
         if not 0.001 <= self.share_window <= 1.0:
             raise ValueError(f"share_window must be within [0.001, 1] s, got {self.share_window}")
         if self.router_id is None:
@@ -189,6 +207,21 @@ def add_kv_aware_args(parser: argparse.ArgumentParser) -> None:
                              "the index shows it on its prefill (default 2)")
     parser.add_argument("--canary-interval", type=float, default=d.canary_interval,
                         help="seconds between two canaries of one prefill (default 1)")
+    # sglang-router's cache_aware tuning: the thresholds mean what they mean there; its text
+    # tree's size and eviction have nothing to tune here (the index follows engine events).
+    parser.add_argument("--cache-threshold", type=float, default=None,
+                        help="below this matched fraction of the prompt, the least loaded "
+                             "worker wins (sglang-router's flag; default off)")
+    parser.add_argument("--balance-abs-threshold", type=int, default=None,
+                        help="in-flight imbalance above which the least loaded wins "
+                             "(sglang-router's flag; default off)")
+    parser.add_argument("--balance-rel-threshold", type=float, default=None,
+                        help="relative in-flight imbalance, with --balance-abs-threshold")
+    parser.add_argument("--eviction-interval-secs", "--eviction-interval", type=float,
+                        default=None, help="accepted for sglang-router command lines; unused "
+                                           "(no text tree to evict)")
+    parser.add_argument("--max-tree-size", type=int, default=None,
+                        help="accepted for sglang-router command lines; unused")
 
 
 def routing_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -205,4 +238,6 @@ def routing_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         work_half_life=args.work_half_life, share_predictions=args.share_predictions,
         share_window=args.share_window, router_id=args.router_id,
         explain_routes=args.explain_routes, canary_delay=args.canary_delay,
-        canary_interval=args.canary_interval)
+        canary_interval=args.canary_interval, cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold,
+        balance_rel_threshold=args.balance_rel_threshold)

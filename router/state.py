@@ -23,13 +23,24 @@ from router.policies import make_policy
 from router.policy import Choice, Policy, RouteContext
 from router.shared_predictions import ShareStats
 from router.tokenizers import Tokenizers
-from router.workers import DECODE, PREFILL, Worker, WorkerPools
+from router.workers import AGGREGATED, COMPUTE_ROLES, DECODE, PREFILL, Worker, WorkerPools
+
+PD, AGGREGATED_SHAPE = "pd", "aggregated"
+"""The two shapes a request can be served in: a prefill/decode pair, or one aggregated worker."""
 
 
 @dataclass
 class Pair:
+    """Where one request goes: ``prefill`` computes its prompt; ``decode`` generates from the
+    KV it is sent. ``decode`` None: ``prefill`` is an aggregated worker that serves the whole
+    request (no bootstrap fields)."""
+
     prefill: Choice
-    decode: Choice
+    decode: Choice | None
+
+    @property
+    def shape(self) -> str:
+        return PD if self.decode is not None else AGGREGATED_SHAPE
 
 
 class RouterState:
@@ -76,11 +87,13 @@ class RouterState:
             self.pools.add(PREFILL, url, bootstrap_port=port, model=config.model)
         for url in config.decode:
             self.pools.add(DECODE, url, model=config.model)
+        for url in config.worker_urls:
+            self.pools.add(AGGREGATED, url, model=config.model)
 
     def _on_pool_change(self, event: str, worker: Worker) -> None:
         if event == "leave":
             self.metrics.forget(worker.role, worker.instance_id)
-            if worker.role == PREFILL:
+            if worker.role in COMPUTE_ROLES:
                 self.prefill_policy.forget(worker.instance_id)
 
     # --- index ----------------------------------------------------------------------------
@@ -224,11 +237,40 @@ class RouterState:
         m.child(m.busy_fallbacks, role).inc()
         return workers
 
+    def shapes(self) -> tuple[bool, bool]:
+        """(a PD pair can be formed, an aggregated worker is there): the workers registered
+        and counted, whether or not they can serve right now."""
+        pools = self.pools.workers
+        def has(role: str) -> bool:
+            return any(w.shadowed_by is None for w in pools[role].values())
+        return has(PREFILL) and has(DECODE), has(AGGREGATED)
+
     def select_pair(self, ctx: RouteContext, exclude: set[str] | None = None,
                     need: Need | None = None, unfit: frozenset[str] = frozenset()) -> Pair:
-        """The pair for ``ctx``; with ``need``, among the workers with room for it (NoRoom
-        when a role has none: the request waits, router/capacity.py)."""
+        """Where ``ctx`` goes: a PD pair when the pools form one, else an aggregated worker;
+        with ``need``, among the workers with room for it (NoRoom when a role has none: the
+        request waits, router/capacity.py)."""
         t0 = time.perf_counter()
+        pd, aggregated = self.shapes()
+        if aggregated and not pd:
+            pair = Pair(self._select_aggregated(ctx, exclude, need, unfit), None)
+        else:
+            pair = self._select_pd(ctx, exclude, need, unfit)
+        self.metrics.decision.observe(time.perf_counter() - t0)
+        return pair
+
+    def _select_aggregated(self, ctx: RouteContext, exclude: set[str] | None,
+                           need: Need | None, unfit: frozenset[str]) -> Choice:
+        workers = self._available(AGGREGATED, exclude)
+        if unfit:
+            workers = self.pools.fitting(AGGREGATED, workers, unfit)
+        if need is not None:
+            # It holds the prompt and what it generates, as a decode does.
+            workers = self.capacity.with_room(workers, need, True, AGGREGATED)
+        return self.prefill_policy.select(workers, ctx)
+
+    def _select_pd(self, ctx: RouteContext, exclude: set[str] | None, need: Need | None,
+                   unfit: frozenset[str]) -> Pair:
         prefills = self._available(PREFILL, exclude)
         decodes = self._available(DECODE, exclude)
         if unfit:  # workers whose own limits the request exceeds (router/limits.py)
@@ -238,17 +280,16 @@ class RouterState:
             room = self.capacity.with_room
             prefills = room(prefills, need, False, PREFILL)
             decodes = room(decodes, need, True, DECODE)
-        pair = Pair(self.prefill_policy.select(prefills, ctx),
+        return Pair(self.prefill_policy.select(prefills, ctx),
                     self.decode_policy.select(decodes, ctx))
-        self.metrics.decision.observe(time.perf_counter() - t0)
-        return pair
 
     def on_routed(self, pair: Pair) -> None:
         m = self.metrics
         p, d = pair.prefill, pair.decode
         self.prefill_policy.on_routed(p)
-        m.child(m.decisions, PREFILL, p.worker.instance_id).inc()
-        m.child(m.decisions, DECODE, d.worker.instance_id).inc()
+        m.child(m.decisions, p.worker.role, p.worker.instance_id).inc()
+        if d is not None:
+            m.child(m.decisions, DECODE, d.worker.instance_id).inc()
         bs = self.config.block_size
         m.prefix_hit.inc(p.matched_blocks * bs)
         m.index_hit.inc(p.indexed_blocks * bs)

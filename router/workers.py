@@ -5,8 +5,8 @@ The etcd instance record (``/{prefix}/v1/instances/{id}``) is parsed by ``index.
 malformed or newer-version record is skipped (counted, logged once per key). The router uses
 these fields:
 
-- ``role``: ``"prefill"`` or ``"decode"`` (records of other roles, e.g. ``monolithic``, are
-  ignored);
+- ``role``: ``"prefill"``, ``"decode"`` (a PD pair's halves) or ``"aggregated"`` (an instance
+  that serves whole requests: sent each one with no bootstrap fields);
 - ``url``: the worker's HTTP base URL (a record without one cannot be routed to and is skipped);
 - ``model``: the served model (filtered against ``--model`` when given; an alias is taken as
   its canonical name);
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from index.record import DECODE, PREFILL, InstanceRecord, RecordReader
+from index.record import AGGREGATED, DECODE, PREFILL, InstanceRecord, RecordReader
 from router.breaker import CircuitBreaker
 from router.config import RouterConfig, check_url
 from router.engine_load import EngineLoad
@@ -48,7 +48,10 @@ from tokenization import canonical_model
 
 logger = logging.getLogger(__name__)
 
-ROLES = (PREFILL, DECODE)
+ROLES = (PREFILL, DECODE, AGGREGATED)
+COMPUTE_ROLES = (PREFILL, AGGREGATED)
+"""The roles whose workers compute prompts (and so hold prefixes): the prefill policy picks
+among them, and the block index's entries are theirs."""
 ETCD = "etcd"
 """``Worker.source`` of a worker discovered from an etcd instance record."""
 ADMIN = "admin"
@@ -148,8 +151,8 @@ def parse_instance_record(instance_id: str, raw: bytes, reader: RecordReader | N
 
 
 def routable_record(instance_id: str, rec: InstanceRecord) -> dict[str, Any] | None:
-    """The router's view of a parsed instance record, or None when it is not routable (a role
-    that is neither prefill nor decode, no usable url)."""
+    """The router's view of a parsed instance record, or None when it is not routable (no
+    usable url)."""
     role = rec.role
     if role not in ROLES:
         logger.debug("instance %s: role %r is not routable; ignored", instance_id, role)
@@ -170,11 +173,11 @@ _READER = RecordReader()
 
 
 class WorkerPools:
-    """The prefill and decode pools, keyed by instance id."""
+    """The prefill, decode and aggregated pools, keyed by instance id."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.workers: dict[str, dict[str, Worker]] = {PREFILL: {}, DECODE: {}}
+        self.workers: dict[str, dict[str, Worker]] = {role: {} for role in ROLES}
         self._models: frozenset[str] | None = None
         """models() as of the last change to the pools (it is asked on every request)."""
         self.listeners: list[Any] = []
@@ -343,7 +346,7 @@ class WorkerPools:
         return [w for w in self.all() if w.shadowed_by is None]
 
     def all(self) -> list[Worker]:
-        return self.pool(PREFILL) + self.pool(DECODE)
+        return self.pool(PREFILL) + self.pool(DECODE) + self.pool(AGGREGATED)
 
     def models(self) -> frozenset[str]:
         """The models served: the workers' and ``--model``."""

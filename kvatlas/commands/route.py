@@ -135,18 +135,23 @@ instance holds from what it routed there); shown when present."""
 
 
 def render(decision: dict[str, Any], console: Console) -> None:
-    p, d = decision["prefill"], decision["decode"]
-    console.print(f"prefill [bold]{p['instance_id']}[/] {p['url']} (bootstrap "
-                  f"{p.get('bootstrap_host')}:{p.get('bootstrap_port') or 'default'})   "
-                  f"decode [bold]{d['instance_id']}[/] {d['url']}")
+    aggregated = "worker" in decision  # one worker serves it whole (no PD pair)
+    if aggregated:
+        p = decision["worker"]
+        console.print(f"aggregated worker [bold]{p['instance_id']}[/] {p['url']}")
+    else:
+        p, d = decision["prefill"], decision["decode"]
+        console.print(f"prefill [bold]{p['instance_id']}[/] {p['url']} (bootstrap "
+                      f"{p.get('bootstrap_host')}:{p.get('bootstrap_port') or 'default'})   "
+                      f"decode [bold]{d['instance_id']}[/] {d['url']}")
+    policy = decision.get("policy", {}).get("worker" if aggregated else "prefill")
     console.print(f"prompt {decision.get('prompt_tokens')} tokens = "
                   f"{decision.get('prompt_blocks')} blocks of {decision.get('block_size')}; "
-                  f"policy {decision.get('policy', {}).get('prefill')}; index "
-                  f"{decision.get('index', {}).get('state')}")
+                  f"policy {policy}; index {decision.get('index', {}).get('state')}")
     candidates = decision.get("candidates", [])
     extra = [(k, title) for k, title in OPTIONAL_COLUMNS
              if any(isinstance(c, dict) and k in c for c in candidates)]
-    table = Table(title="prefill candidates (lowest cost wins)")
+    table = Table(title=f"{'worker' if aggregated else 'prefill'} candidates (lowest cost wins)")
     for col in ("instance", "matched blocks", *(t for _, t in extra), "load", "cost", ""):
         table.add_column(col, justify="left" if col == "instance" else "right")
     for c in candidates:
