@@ -25,7 +25,13 @@ from kvatlas.commands import _etcd_auth
 from kvatlas.commands._run_dir import DEFAULT_RUN_DIR
 from kvatlas.launcher.state import ClusterState, proc_rss
 from kvatlas.launcher.supervisor import LocalCluster, StartError, http_status, stop_processes
-from kvatlas.launcher.topology import DEFAULT_MODEL, ENGINE_KINDS, EtcdClientFlags, Topology
+from kvatlas.launcher.topology import (
+    DEFAULT_MODEL,
+    ENGINE_KINDS,
+    EtcdClientFlags,
+    Topology,
+    instance_counts,
+)
 
 DEFAULT_ROUTER_PORT = 8000
 """The router's port when free: `kvatlas route`/`generate` find it there without --run-dir."""
@@ -45,8 +51,7 @@ def register(subparsers: Any) -> None:
     sub = parser.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
 
     up = sub.add_parser("up", help="start etcd, prefill and decode instances and the router")
-    up.add_argument("--prefill", type=int, default=2, help="prefill instances (default 2)")
-    up.add_argument("--decode", type=int, default=1, help="decode instances (default 1)")
+    add_instance_args(up)
     up.add_argument("--prefill-tp", type=int, default=1, help="TP ranks per prefill instance")
     up.add_argument("--prefill-dp", type=int, default=1, help="DP ranks per prefill instance")
     up.add_argument("--decode-tp", type=int, default=1, help="TP ranks per decode instance")
@@ -86,11 +91,22 @@ def register(subparsers: Any) -> None:
                          help="kvatlas (default): kvatlas's own engines, as docker-compose.yml; "
                               "sglang: SGLang engines with a kvatlas sidecar each, as "
                               "deploy/sglang/docker-compose.yml")
+    add_instance_args(compose)
     compose.set_defaults(func=cmd_compose)
     _etcd_auth.register(sub)
     for p in (up, *[sub.choices[n] for n in ("status", "down")]):
         p.add_argument("--run-dir", default=DEFAULT_RUN_DIR,
                        help=f"the cluster's state and logs (default {DEFAULT_RUN_DIR})")
+
+
+def add_instance_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", type=int, default=None,
+                        help="prefill instances (default 2, or 0 with --aggregated alone)")
+    parser.add_argument("--decode", type=int, default=None,
+                        help="decode instances (default 1, or 0 with --aggregated alone)")
+    parser.add_argument("--aggregated", type=int, default=0,
+                        help="aggregated instances: monolithic engines registered in etcd that "
+                             "the router sends whole requests (default 0)")
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
@@ -99,7 +115,9 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
     client = EtcdClientFlags(prefix=args.etcd_prefix, user=args.etcd_user,
                              password=etcd_password(args), ca=args.etcd_ca, cert=args.etcd_cert,
                              key=args.etcd_key)
-    return Topology(prefill=args.prefill, decode=args.decode, prefill_tp=args.prefill_tp,
+    prefill, decode = instance_counts(args.prefill, args.decode, args.aggregated)
+    return Topology(prefill=prefill, decode=decode, aggregated=args.aggregated,
+                    prefill_tp=args.prefill_tp,
                     prefill_dp=args.prefill_dp, decode_tp=args.decode_tp, model=args.model,
                     etcd_members=args.etcd_members, external_etcd=external,
                     etcd_client=client, lease_ttl=args.lease_ttl, engine_mode=args.engine_mode,
@@ -280,7 +298,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     wt = Table(title="instances seen by the router")
     for col in ("instance", "role", "ready", "healthy", "circuit", "load", "requests"):
         wt.add_column(col)
-    for role in ("prefill", "decode"):
+    for role in ("prefill", "decode", "aggregated"):
         for w in workers.get(role, []):
             wt.add_row(w["instance_id"], role, str(w["ready"]), str(w["healthy"]),
                        w["circuit"], str(w["load"]), str(w["requests"]))
@@ -310,9 +328,13 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_compose(args: argparse.Namespace) -> int:
     if args.engine == "sglang":
+        if args.aggregated or args.prefill is not None or args.decode is not None:
+            raise CLIError("--prefill, --decode and --aggregated shape --engine kvatlas's "
+                           "compose file; the SGLang one has a fixed shape")
         from kvatlas.launcher.compose_sglang import sglang_compose_yaml
         sys.stdout.write(sglang_compose_yaml())
         return 0
-    from kvatlas.launcher.compose import compose_yaml
-    sys.stdout.write(compose_yaml())
+    from kvatlas.launcher.compose import compose_topology, compose_yaml
+    prefill, decode = instance_counts(args.prefill, args.decode, args.aggregated)
+    sys.stdout.write(compose_yaml(compose_topology(prefill, decode, args.aggregated)))
     return 0

@@ -30,9 +30,12 @@ ETCD_AUTH_SERVICE = "etcd-auth"
 kvatlas process starts (``kvatlas cluster etcd-auth``)."""
 
 
-def compose_topology() -> Topology:
-    """The compose cluster: 3 etcd members, two prefill instances, one decode, one router."""
-    return Topology(prefill=2, decode=1, etcd_members=3, auth_token=AUTH_TOKEN_ENV,
+def compose_topology(prefill: int = 2, decode: int = 1, aggregated: int = 0) -> Topology:
+    """The compose cluster: 3 etcd members, two prefill instances, one decode, one router (and
+    ``aggregated`` instances: monolithic engines registered in etcd, services
+    ``aggregated-N``)."""
+    return Topology(prefill=prefill, decode=decode, aggregated=aggregated, etcd_members=3,
+                    auth_token=AUTH_TOKEN_ENV,
                     admin_token=ADMIN_TOKEN_ENV, transfer_key=TRANSFER_KEY_ENV,
                     etcd_auth=EtcdAuth.compose_placeholders())
 

@@ -22,7 +22,14 @@ from index.keys import KeyLayout
 from kvatlas.etcd_proc import find_etcd_binary
 from kvatlas.launcher.etcd_auth import provision
 from kvatlas.launcher.state import ClusterState, ProcessRecord, proc_start_time
-from kvatlas.launcher.topology import SECRET_FLAGS, LocalNetwork, Service, Topology, process_args
+from kvatlas.launcher.topology import (
+    ENGINE_ROLES,
+    SECRET_FLAGS,
+    LocalNetwork,
+    Service,
+    Topology,
+    process_args,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +168,7 @@ class LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         deadline = time.monotonic() + timeout
         stages = [[s.name for s in self.services if s.role == "etcd"],
-                  [s.name for s in self.services if s.role in ("prefill", "decode")],
+                  [s.name for s in self.services if s.role in ENGINE_ROLES],
                   ["router"]]
         try:
             for names in stages:
@@ -222,7 +229,7 @@ class LocalCluster:
 
 def stop_processes(state: ClusterState, timeout: float = 10.0) -> list[str]:
     """Stop a recorded cluster's processes in reverse start order; the names that were running."""
-    order = {"router": 0, "decode": 1, "prefill": 2, "etcd": 3}
+    order = {"router": 0, "decode": 1, "aggregated": 1, "prefill": 2, "etcd": 3}
     stopped = []
     for rec in sorted(state.processes, key=lambda p: order.get(p.role, 1)):
         if rec.alive():

@@ -21,9 +21,12 @@ from router.config import ADMIN_TOKEN_ENV
 from tokenization import canonical_model
 from transfer.base import TRANSFER_KEY_ENV
 
-ROLES = ("etcd", "prefill", "decode", "router", "sidecar")
+ROLES = ("etcd", "prefill", "decode", "aggregated", "router", "sidecar")
 """``sidecar``: a ``kvatlas sidecar`` beside an engine that is not ours (SGLang), publishing its
-record, bootstrap table and KV events to etcd (``kvatlas/launcher/compose_sglang.py``)."""
+record, bootstrap table and KV events to etcd (``kvatlas/launcher/compose_sglang.py``).
+``aggregated``: a monolithic engine registered in etcd (role aggregated: whole requests)."""
+ENGINE_ROLES = ("prefill", "decode", "aggregated")
+"""The roles of engine instances (started after etcd, before the router)."""
 ENGINE_KINDS = ("kvatlas", "sglang")
 """What the prefill and decode instances run: kvatlas's own engine (``kvatlas engine serve``),
 or SGLang with a sidecar each (compose only: the local launcher runs no GPU engines)."""
@@ -39,6 +42,15 @@ SECRET_ENV = {"--auth-token": AUTH_TOKEN_ENV, "--admin-token": ADMIN_TOKEN_ENV,
               "--etcd-password": ETCD_PASSWORD_ENV}
 """Secret flags and the environment variables each process reads them from instead."""
 SECRET_FLAGS = frozenset(SECRET_ENV)
+
+
+def instance_counts(prefill: int | None, decode: int | None, aggregated: int
+                    ) -> tuple[int, int]:
+    """(prefill, decode) instances from flags that may be absent (None): with aggregated
+    instances and neither given, none (aggregated alone); otherwise 2 and 1 by default."""
+    if aggregated and prefill is None and decode is None:
+        return 0, 0
+    return (2 if prefill is None else prefill), (1 if decode is None else decode)
 
 
 def process_args(svc: Service) -> tuple[list[str], dict[str, str]]:
@@ -173,6 +185,10 @@ class Topology:
     """Prefill instances."""
     decode: int = 1
     """Decode instances."""
+    aggregated: int = 0
+    """Aggregated instances: monolithic engines registered in etcd (``--etcd``), which the
+    router finds there and sends whole requests; beside the PD pairs, or alone (prefill and
+    decode 0)."""
     prefill_tp: int = 1
     """Tensor-parallel ranks per prefill instance."""
     prefill_dp: int = 1
@@ -216,15 +232,29 @@ class Topology:
         validate_model(self.model)
         validate_model(self.served_model)
         KeyLayout(prefix=self.etcd_client.prefix)
-        for name in ("prefill", "decode", "prefill_tp", "prefill_dp", "decode_tp"):
+        for name in ("prefill_tp", "prefill_dp", "decode_tp"):
             if not 1 <= getattr(self, name) <= 64:
                 raise ValueError(f"{name} must be within [1, 64], got {getattr(self, name)}")
+        for name in ("prefill", "decode", "aggregated"):
+            if not 0 <= getattr(self, name) <= 64:
+                raise ValueError(f"{name} must be within [0, 64], got {getattr(self, name)}")
+        if (self.prefill == 0) != (self.decode == 0):
+            raise ValueError(f"prefill and decode instances come in pairs: {self.prefill} "
+                             f"prefill and {self.decode} decode; give both, or neither with "
+                             "aggregated instances")
+        if self.prefill == 0 and self.aggregated == 0:
+            raise ValueError("no engine instances: give prefill and decode instances, or "
+                             "aggregated ones")
         if not 0 <= self.index_shards <= 16:
             raise ValueError(f"index shards must be within [0, 16], got {self.index_shards}")
         if self.external_etcd is None and self.etcd_members not in (1, 3):
             raise ValueError(f"etcd members must be 1 or 3, got {self.etcd_members}")
         if self.engine_mode not in ENGINE_MODES:
             raise ValueError(f"engine mode must be one of {ENGINE_MODES}, got {self.engine_mode!r}")
+        if self.engine_mode == "monolithic" and self.aggregated:
+            raise ValueError("engine mode monolithic (unregistered stand-ins for prefill and "
+                             "decode) and aggregated instances exclude each other: for "
+                             "monolithic engines in etcd give aggregated instances alone")
         check_lease_ttl(self.lease_ttl)
         # Hex: a token must never start with "-", or argparse would read it as a flag.
         if self.auth_token is None:
@@ -273,6 +303,9 @@ class Topology:
     def decode_names(self) -> list[str]:
         return [f"decode-{i}" for i in range(self.decode)]
 
+    def aggregated_names(self) -> list[str]:
+        return [f"aggregated-{i}" for i in range(self.aggregated)]
+
     def etcd_endpoints(self, net: Network) -> str:
         if self.external_etcd:
             return self.external_etcd
@@ -281,11 +314,12 @@ class Topology:
     # --- services --------------------------------------------------------------------------
 
     def services(self, net: Network) -> list[Service]:
-        """Every process in start order: etcd, prefills, decodes, router."""
+        """Every process in start order: etcd, prefills, decodes, aggregated, router."""
         out = [self._etcd(net, n, self.etcd_names()) for n in self.etcd_names()]
         out += [self._etcd(net, n, [n]) for n in self.index_etcd_names()]
         out += [self._prefill(net, n) for n in self.prefill_names()]
         out += [self._decode(net, n) for n in self.decode_names()]
+        out += [self._aggregated(net, n) for n in self.aggregated_names()]
         out.append(self._router(net, out))
         return out
 
@@ -358,6 +392,17 @@ class Topology:
         return Service(name, "decode", args, net.host(name), port, "/health",
                        depends_on=self.etcd_names(), env=self._pd_env())
 
+    def _aggregated(self, net: Network, name: str) -> Service:
+        """A monolithic engine that registers itself (record and blocks) in etcd."""
+        args = [*self._common_engine(net, name), "--mode", "monolithic", "--instance-id", name,
+                "--lease-ttl", str(self.lease_ttl), "--advertise-host", net.host(name),
+                # the prefill's etcd user: it writes a superset (record, blocks) of what an
+                # aggregated instance writes, and a kind of its own would change every
+                # deployment's provisioned users
+                *self._etcd_args(net, "prefill", index=True)]
+        return Service(name, "aggregated", args, net.host(name), net.port(name, "http"),
+                       "/health", depends_on=self.etcd_names() + self.index_etcd_names())
+
     def _pd_env(self) -> dict[str, str]:
         """Prefill and decode ranks MAC their KV transfer messages with one shared key
         (monolithic stand-ins transfer nothing)."""
@@ -380,7 +425,7 @@ class Topology:
                     args += ["--prefill", s.url, "none"]
                 elif s.role == "decode":
                     args += ["--decode", s.url]
-        deps = [s.name for s in others if s.role in ("prefill", "decode")]
+        deps = [s.name for s in others if s.role in ENGINE_ROLES]
         return Service(name, "router", args, net.host(name), port, "/readiness",
                        depends_on=deps)
 

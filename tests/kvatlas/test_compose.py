@@ -389,3 +389,38 @@ def test_sglang_docker_compose_config_validates() -> None:
     out = subprocess.run([tool, "-f", str(SGLANG_COMPOSE), "config", "-q"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "KVATLAS_ADMIN_TOKEN" in out.stderr
+
+
+def test_aggregated_compose_file_validates(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvatlas cluster compose --aggregated 2` alone: two aggregated services registered in
+    etcd (and no PD instances), gated on etcd and its users, which docker-compose accepts."""
+    from kvatlas.cli import main
+
+    assert main(["cluster", "compose", "--aggregated", "2"]) == 0
+    text = capsys.readouterr().out
+    services = compose_document(compose_topology(0, 0, 2))["services"]
+    assert text == compose_yaml(compose_topology(0, 0, 2))
+    engines = {n for n in services if n.startswith(("prefill", "decode", "aggregated"))}
+    assert engines == {"aggregated-0", "aggregated-1"}
+    for name in engines:
+        cmd = services[name]["command"]
+        assert cmd[cmd.index("--mode") + 1] == "monolithic" and "--etcd" in cmd
+        assert cmd[cmd.index("--advertise-host") + 1] == name
+        assert services[name]["depends_on"]["etcd-auth"] == {
+            "condition": "service_completed_successfully"}
+    assert set(services["router"]["depends_on"]) >= engines
+    tool = shutil.which("docker-compose")
+    if tool is None:
+        if _compose_required():
+            pytest.fail("docker-compose is not installed: .ci/run installs it with apt-get")
+        pytest.skip("docker-compose is not installed (CI installs it)")
+    path = tmp_path / "docker-compose.yml"
+    path.write_text(text)
+    env = {**os.environ, "KVATLAS_AUTH_TOKEN": "test-token-1",
+           "KVATLAS_ADMIN_TOKEN": "admin-token-1",
+           "KVATLAS_TRANSFER_KEY": "transfer-key-0123456789", **ETCD_PASSWORDS}
+    out = subprocess.run([tool, "-f", str(path), "config", "--services"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert set(out.stdout.split()) == set(services)

@@ -79,3 +79,38 @@ def test_index_shards_are_etcds_of_their_own_named_to_prefills_and_router() -> N
 def test_bad_topologies_are_refused(kw: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         Topology(**kw)  # type: ignore[arg-type]
+
+
+def test_aggregated_instances_register_in_etcd_alone_or_beside_pd() -> None:
+    from kvatlas.launcher.topology import instance_counts
+
+    net = LocalNetwork()
+    alone = Topology(prefill=0, decode=0, aggregated=2)
+    services = {s.name: s for s in alone.services(net)}
+    assert set(services) == {"etcd0", "aggregated-0", "aggregated-1", "router"}
+    for name in ("aggregated-0", "aggregated-1"):
+        svc = services[name]
+        assert svc.role == "aggregated"
+        assert _flag(svc.args, "--mode") == "monolithic"
+        assert _flag(svc.args, "--instance-id") == name
+        assert _flag(svc.args, "--etcd") == alone.etcd_endpoints(net)
+        assert "etcd0" in svc.depends_on
+    router = services["router"]
+    assert set(router.depends_on) == {"aggregated-0", "aggregated-1"}
+    # the router finds them in etcd: nothing is listed statically
+    assert "--prefill" not in router.args and "--decode" not in router.args
+    beside = {s.name for s in Topology(aggregated=1).services(net)}
+    assert {"prefill-0", "prefill-1", "decode-0", "aggregated-0"} <= beside
+    # `--aggregated N` alone means no PD pairs; PD defaults otherwise
+    assert instance_counts(None, None, 2) == (0, 0)
+    assert instance_counts(None, None, 0) == (2, 1)
+    assert instance_counts(1, None, 2) == (1, 1)
+
+
+@pytest.mark.parametrize("kw", [{"prefill": 0, "decode": 0},
+                                {"prefill": 0, "decode": 1, "aggregated": 1},
+                                {"aggregated": 65}, {"aggregated": -1},
+                                {"aggregated": 1, "engine_mode": "monolithic"}])
+def test_bad_aggregated_topologies_are_refused(kw: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        Topology(**kw)  # type: ignore[arg-type]
