@@ -92,9 +92,14 @@ class Thresholds:
 
     busy_queue: int | None = None
     busy_kv_usage: float | None = None
+    disagg_tokens: int = 512
+    """With both shapes serving (PD pairs and aggregated workers): a request whose prompt the
+    best aggregated candidate lacks at least this many tokens of goes to a PD pair (a
+    dedicated prefill pays for the hop); shorter ones stay aggregated (router/state.py)."""
 
     def __post_init__(self) -> None:
         check_thresholds(self.busy_queue, self.busy_kv_usage)
+        check_disagg_tokens(self.disagg_tokens)
 
     def busy(self, load: EngineLoad | None) -> bool:
         if load is None:
@@ -105,7 +110,14 @@ class Thresholds:
                 and load.kv_usage >= self.busy_kv_usage)
 
     def describe(self) -> dict[str, int | float | None]:
-        return {"busy_queue": self.busy_queue, "busy_kv_usage": self.busy_kv_usage}
+        return {"busy_queue": self.busy_queue, "busy_kv_usage": self.busy_kv_usage,
+                "disagg_tokens": self.disagg_tokens}
+
+
+def check_disagg_tokens(tokens: object) -> None:
+    """ValueError naming ``disagg_tokens`` unless it is an integer >= 0."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise ValueError(f"disagg_tokens must be an integer >= 0, got {tokens!r}")
 
 
 def check_thresholds(queue: object, usage: object) -> None:

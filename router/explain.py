@@ -61,6 +61,8 @@ def explain(pair: Pair, config: RouterConfig, policy: str) -> str:
                    overlap_weight=config.overlap_weight, load_blocks=chosen.get("load_blocks"))
     doc["candidates"] = len(p.candidates)
     doc["policy"] = policy
+    if pair.why is not None:  # both shapes serve: the per-request choice and its costs
+        doc["disaggregation"] = pair.why
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=True)
 
 

@@ -11,7 +11,7 @@ from router.admission import Admission
 from router.client_ids import client_rid, new_request_id
 from router.config import parse_bootstrap_port
 from router.dispatch import HOP_HEADERS, Dispatcher
-from router.engine_load import check_thresholds
+from router.engine_load import check_disagg_tokens, check_thresholds
 from router.errors import BadRequest, RouterError, error_response, json_error
 from router.http.server import Request, Response, Stream, json_response
 from router.json_body import load_json
@@ -288,17 +288,20 @@ async def get_thresholds(svc: Services, request: Request) -> Response:
 
 
 async def put_thresholds(svc: Services, request: Request) -> Response:
-    """Change the busy thresholds at run time: a JSON object with ``busy_queue`` and/or
-    ``busy_kv_usage`` (null turns one off); keys left out stay as they are."""
+    """Change the thresholds at run time: a JSON object with ``busy_queue``,
+    ``busy_kv_usage`` (null turns one off) and/or ``disagg_tokens``; keys left out stay as
+    they are."""
     denied = _check_admin(svc, request)
     if denied is not None:
         return denied
     doc = load_json(request.body) if request.body else None
     if not isinstance(doc, dict) or not doc:
-        raise BadRequest("", "send a JSON object with busy_queue and/or busy_kv_usage")
-    unknown = sorted(set(doc) - {"busy_queue", "busy_kv_usage"})
+        raise BadRequest("", "send a JSON object with busy_queue, busy_kv_usage and/or "
+                             "disagg_tokens")
+    unknown = sorted(set(doc) - {"busy_queue", "busy_kv_usage", "disagg_tokens"})
     if unknown:
-        raise BadRequest(unknown[0], "is not a threshold; use busy_queue or busy_kv_usage")
+        raise BadRequest(unknown[0], "is not a threshold; use busy_queue, busy_kv_usage or "
+                                     "disagg_tokens")
     th = svc.state.thresholds
     queue = doc.get("busy_queue", th.busy_queue)
     usage = doc.get("busy_kv_usage", th.busy_kv_usage)
@@ -308,6 +311,11 @@ async def put_thresholds(svc: Services, request: Request) -> Response:
             check_thresholds(*one)
         except ValueError as exc:  # its message names the field and says what it takes
             raise BadRequest("", str(exc), param=field) from None
-    th.busy_queue, th.busy_kv_usage = queue, usage
-    logger.info("busy thresholds now %s", th.describe())
+    disagg = doc.get("disagg_tokens", th.disagg_tokens)
+    try:
+        check_disagg_tokens(disagg)
+    except ValueError as exc:
+        raise BadRequest("", str(exc), param="disagg_tokens") from None
+    th.busy_queue, th.busy_kv_usage, th.disagg_tokens = queue, usage, disagg
+    logger.info("thresholds now %s", th.describe())
     return json_response(th.describe())

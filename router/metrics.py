@@ -114,6 +114,10 @@ class RouterMetrics:
         self.decisions = Counter("kvatlas_router_routing_decisions",
                                  "Requests routed to each instance", ["role", "instance"],
                                  registry=r)
+        self.disagg_decisions = Counter(
+            "kvatlas_router_disagg_decisions",
+            "With PD pairs and aggregated workers both serving: requests by the path chosen "
+            "(pd, aggregated) and why", ["path", "reason"], registry=r)
         self.prefix_hit_tokens = Counter("kvatlas_router_prefix_hit_tokens",
                                          "Prompt tokens the chosen prefill was counted as "
                                          "holding: the sum of kvatlas_router_index_hit_tokens "

@@ -64,7 +64,7 @@ class Decision:
                      "decode": {"instance_id": d.worker.instance_id, "url": d.worker.url},
                      "policy": {"prefill": self.policy, "decode": state.decode_policy.name}}
         return {
-            "shape": self.shape, **where,
+            "shape": self.shape, "disaggregation": self.pair.why, **where,
             "model": self.model,
             "prompt_blocks": p.prompt_blocks, "matched_blocks": p.matched_blocks,
             "index_blocks": p.indexed_blocks, "block_size": state.config.block_size,

@@ -12,7 +12,7 @@ from typing import Any
 
 from index.keys import validate_instance_id
 from index.tiers import TierWeights
-from router.engine_load import check_thresholds
+from router.engine_load import check_disagg_tokens, check_thresholds
 
 POLICIES = ("kv_aware", "round_robin", "random", "power_of_two")
 POLICY_ALIASES = {"cache_aware": "kv_aware"}
@@ -64,6 +64,11 @@ class RoutingSettings:
     not busy (None: off). ``PUT /admin/thresholds`` changes it at run time."""
     busy_kv_usage: float | None = None
     """The same for the engine's KV-cache usage, a fraction in (0, 1] (None: off)."""
+    disagg_tokens: int = 512
+    """With PD pairs and aggregated workers both serving: the uncached prompt tokens (what the
+    best aggregated candidate lacks) from which a request goes to a PD pair; below, and when
+    the prefills are busy and an aggregated worker is not, it is served aggregated.
+    ``PUT /admin/thresholds`` changes it at run time."""
     explain_routes: bool = False
     """Every answer carries ``X-Kvatlas-Route`` (the decision and its cost terms); otherwise
     only answers to requests sending ``X-Kvatlas-Explain: 1``."""
@@ -117,6 +122,7 @@ class RoutingSettings:
         if not self.prediction_ttl > 0:
             raise ValueError(f"prediction_ttl must be > 0, got {self.prediction_ttl}")
         check_thresholds(self.busy_queue, self.busy_kv_usage)
+        check_disagg_tokens(self.disagg_tokens)
         if self.cache_threshold is not None and not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be within [0, 1], got {self.cache_threshold}")
         if self.balance_abs_threshold is not None and self.balance_abs_threshold < 0:
@@ -209,6 +215,11 @@ def add_kv_aware_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds between two canaries of one prefill (default 1)")
     # sglang-router's cache_aware tuning: the thresholds mean what they mean there; its text
     # tree's size and eviction have nothing to tune here (the index follows engine events).
+    parser.add_argument("--disagg-threshold-tokens", type=int, default=d.disagg_tokens,
+                        dest="disagg_tokens",
+                        help="PD pairs and aggregated workers both serving: uncached prompt "
+                             f"tokens from which a request is disaggregated (default "
+                             f"{d.disagg_tokens})")
     parser.add_argument("--cache-threshold", type=float, default=None,
                         help="below this matched fraction of the prompt, the least loaded "
                              "worker wins (sglang-router's flag; default off)")
@@ -232,6 +243,7 @@ def routing_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         overlap_weight=args.overlap_weight, temperature=args.temperature,
         load_interval=args.load_interval, send_weight=args.send_weight,
         busy_queue=args.busy_queue, busy_kv_usage=args.busy_kv_usage,
+        disagg_tokens=args.disagg_tokens,
         tier_weights=TierWeights(args.gpu_hit_weight, args.host_hit_weight,
                                  args.disk_hit_weight),
         prediction_ttl=args.prediction_ttl, prediction_catch_up=args.prediction_catch_up,

@@ -12,7 +12,7 @@ from index.hashing import BASE_SEED
 from index.reader import IndexReader, IndexStatus
 from index.tiers import TierMatch
 from router.canary import Canaries
-from router.capacity import Capacity, Need
+from router.capacity import Capacity, Need, NoRoom
 from router.config import RouterConfig
 from router.discovery import InstanceDiscovery
 from router.engine_load import Thresholds, fresh
@@ -37,6 +37,9 @@ class Pair:
 
     prefill: Choice
     decode: Choice | None
+    why: dict[str, Any] | None = None
+    """With both shapes serving: the per-request choice between them (``path``, ``reason``,
+    and each candidate's uncached tokens); None: only one shape could serve."""
 
     @property
     def shape(self) -> str:
@@ -68,7 +71,8 @@ class RouterState:
         self.tokenizers = Tokenizers(config, self.metrics, self.default_model)
         """Per model, the tokenizer text prompts are encoded with (``start`` loads the flags')."""
         self.pools.listeners.append(self.tokenizers.on_worker)
-        self.thresholds = Thresholds(config.busy_queue, config.busy_kv_usage)
+        self.thresholds = Thresholds(config.busy_queue, config.busy_kv_usage,
+                                     config.disagg_tokens)
         """Busy thresholds (router/engine_load.py); ``PUT /admin/thresholds`` changes them."""
         self.guards = IndexGuards(config, self.metrics)
         """Instances whose index entries are not used (another block size, namespace or
@@ -247,17 +251,73 @@ class RouterState:
 
     def select_pair(self, ctx: RouteContext, exclude: set[str] | None = None,
                     need: Need | None = None, unfit: frozenset[str] = frozenset()) -> Pair:
-        """Where ``ctx`` goes: a PD pair when the pools form one, else an aggregated worker;
-        with ``need``, among the workers with room for it (NoRoom when a role has none: the
-        request waits, router/capacity.py)."""
+        """Where ``ctx`` goes: a PD pair or an aggregated worker, whichever the pools hold; with
+        both, chosen per request (``_choose``). With ``need``, among the workers with room for
+        it (NoRoom when none has: the request waits, router/capacity.py)."""
         t0 = time.perf_counter()
         pd, aggregated = self.shapes()
         if aggregated and not pd:
             pair = Pair(self._select_aggregated(ctx, exclude, need, unfit), None)
+        elif pd and aggregated:
+            pair = self._choose(ctx, exclude, need, unfit)
         else:
             pair = self._select_pd(ctx, exclude, need, unfit)
         self.metrics.decision.observe(time.perf_counter() - t0)
         return pair
+
+    def _choose(self, ctx: RouteContext, exclude: set[str] | None, need: Need | None,
+                unfit: frozenset[str]) -> Pair:
+        """The per-request choice between the shapes. PD when the part of the prompt that the
+        best aggregated candidate lacks is at least ``disagg_tokens`` (a dedicated prefill
+        pays for the hop and the decode keeps generating undisturbed); aggregated below it,
+        and also when every prefill is busy and the aggregated candidate is not. A shape that
+        cannot serve now (no worker available or with room) leaves the other."""
+        try:
+            agg: Choice | None = self._select_aggregated(ctx, exclude, need, unfit)
+        except (NoWorkers, NoRoom):
+            agg = None
+        try:
+            pd: Pair | None = self._select_pd(ctx, exclude, need, unfit)
+        except (NoWorkers, NoRoom):
+            if agg is None:
+                raise
+            pd = None
+        bs = self.config.block_size
+        why: dict[str, Any] = {}
+        if agg is not None:
+            why["aggregated"] = {"worker": agg.worker.instance_id, "uncached_tokens":
+                                 (agg.prompt_blocks - agg.matched_blocks) * bs}
+        if pd is not None:
+            p = pd.prefill
+            why["pd"] = {"prefill": p.worker.instance_id, "uncached_tokens":
+                         (p.prompt_blocks - p.matched_blocks) * bs}
+        if agg is None:
+            reason = "aggregated_unavailable"
+        elif pd is None:
+            reason = "pd_unavailable"
+        elif why["aggregated"]["uncached_tokens"] < self.thresholds.disagg_tokens:
+            reason = "short_uncached"
+        elif self._busy(pd.prefill.worker) and not self._busy(agg.worker):
+            reason = "prefill_busy"
+        else:
+            reason = "long_uncached"
+        path = PD if reason in ("aggregated_unavailable", "long_uncached") else AGGREGATED_SHAPE
+        why.update(path=path, reason=reason, disagg_tokens=self.thresholds.disagg_tokens)
+        m = self.metrics
+        m.child(m.disagg_decisions, path, reason).inc()
+        if path == PD:
+            assert pd is not None
+            pd.why = why
+            return pd
+        assert agg is not None
+        return Pair(agg, None, why)
+
+    def _busy(self, worker: Worker) -> bool:
+        """Its engine reports itself busy by the thresholds (a busy threshold must be set)."""
+        th = self.thresholds
+        if th.busy_queue is None and th.busy_kv_usage is None:
+            return False
+        return th.busy(fresh(worker.engine, time.monotonic(), self.config.load_interval))
 
     def _select_aggregated(self, ctx: RouteContext, exclude: set[str] | None,
                            need: Need | None, unfit: frozenset[str]) -> Choice:

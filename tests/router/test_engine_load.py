@@ -115,9 +115,11 @@ async def test_busy_workers_are_left_out_and_thresholds_change_at_run_time(
         assert (await resp.json())["error"].startswith(field), await resp.json()
     resp = await client.put("/admin/thresholds", json={"busy_queue": None}, headers=auth)
     assert resp.status == 200 and await resp.json() == {"busy_queue": None,
-                                                        "busy_kv_usage": None}
+                                                        "busy_kv_usage": None,
+                                                        "disagg_tokens": 512}
     assert await (await client.get("/admin/thresholds")).json() == {"busy_queue": None,
-                                                                    "busy_kv_usage": None}
+                                                                    "busy_kv_usage": None,
+                                                                    "disagg_tokens": 512}
     for i in range(4):
         assert (await client.post("/generate", json={"text": f"r{i}"})).status == 200
     assert len(ps[0].bodies) == 2  # round robin again over both
