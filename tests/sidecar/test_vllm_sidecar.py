@@ -194,3 +194,41 @@ async def test_doctor_names_vllms_silent_zero_hit_causes(
     for name, words in named.items():
         assert words in vllm[name]["detail"], vllm[name]
         assert vllm[name]["hint"], vllm[name]
+
+
+async def test_a_router_routes_to_the_vllm_engine_on_its_events(
+        etcd_endpoint: str, procs: list[VllmProcs]) -> None:
+    """The router discovers the sidecar's aggregated record, sends an OpenAI request whole to
+    the vLLM engine, and then finds the prompt's prefix there through vLLM's own KV events."""
+    from router.app import create_app
+    from router.config import RouterConfig
+
+    p = VllmProcs(etcd_endpoint)
+    procs.append(p)
+    cfg = RouterConfig(etcd=EtcdSettings(endpoints=[etcd_endpoint]), etcd_prefix=p.prefix,
+                       model=MODEL, tokenizers={None: "byte"}, share_predictions=False,
+                       prediction_ttl=0.01, prediction_catch_up=0.0)
+    app = create_app(cfg)
+    port = await app.start("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            async def ready() -> bool:
+                async with s.get(url + "/readiness") as r:
+                    return r.status == 200
+            await wait_until(ready, what="the router discovered the vLLM engine",
+                             detail=p.car.output)
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4}
+            async with s.post(url + "/v1/completions", json=body) as r:
+                answer = await r.json()
+                assert r.status == 200, answer
+            assert answer["choices"][0]["text"]
+
+            async def indexed() -> bool:
+                async with s.post(url + "/debug/route", json=body) as r:
+                    doc = await r.json()
+                return doc["worker"]["instance_id"] == "v0" and doc["index_blocks"] >= 3
+            await wait_until(indexed, what="the router's index shows v0 holding the prompt "
+                             "(from vLLM's KV events)", detail=p.car.output)
+    finally:
+        await app.close()
