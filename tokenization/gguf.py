@@ -26,6 +26,7 @@ from typing import Any
 
 from tokenization.base import Tokenizer, TokenizerError
 from tokenization.derived import cache_entry, publish_dir
+from tokenization.words import byte_alphabet
 
 logger = logging.getLogger(__name__)
 
@@ -40,19 +41,6 @@ _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 SPLITS = {"llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "smaug-bpe": _LLAMA3,
           "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2}
 """Split patterns by ``tokenizer.ggml.pre``; any other name uses GPT-2's (SmolLM's is GPT-2's)."""
-
-
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte-level spelling: printable Latin-1 bytes stand for themselves, the other 68
-    bytes for the code points from 256 on, in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    spelled = {b: chr(b) for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in spelled:
-            spelled[b] = chr(256 + extra)
-            extra += 1
-    return spelled
 
 
 def _cache_dir(path: Path) -> Path | None:

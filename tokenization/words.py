@@ -56,20 +56,20 @@ PROBES = (
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map of each byte to a printable character (what ByteLevel feeds BPE)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    out = {b: chr(b) for b in keep}
-    n = 0
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte-level spelling (what ByteLevel feeds BPE): printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for the code points from 256 on, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    spelled = {b: chr(b) for b in keep}
+    extra = 0
     for b in range(256):
-        if b not in out:
-            out[b] = chr(256 + n)
-            n += 1
-    return out
+        if b not in spelled:
+            spelled[b] = chr(256 + extra)
+            extra += 1
+    return spelled
 
 
-_BYTE_CHARS = _bytes_to_unicode()
+_BYTE_CHARS = byte_alphabet()
 
 
 def _split_pattern(pre: dict[str, Any] | None) -> str | None:

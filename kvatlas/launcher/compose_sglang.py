@@ -10,6 +10,7 @@ checks that the committed file is exactly this output.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,6 +179,11 @@ def _service(topo: SGLangTopology, svc: Service) -> dict[str, Any]:
     if svc.role in ("prefill", "decode"):
         tp = topo.prefill_tp if svc.role == "prefill" else topo.decode_tp
         return _engine_service(svc, tp)
+    return kvatlas_service(topo, svc)
+
+
+def kvatlas_service(topo: Topology, svc: Service) -> dict[str, Any]:
+    """A kvatlas process (etcd, sidecar, router) of a compose file of foreign engines."""
     out = compose_service(svc)
     if "depends_on" in out:
         # etcd must be healthy: every kvatlas process writes or watches it from the start.
@@ -195,10 +201,16 @@ def _service(topo: SGLangTopology, svc: Service) -> dict[str, Any]:
 
 
 def sglang_compose_document(topology: SGLangTopology | None = None) -> dict[str, Any]:
-    topo = topology or sglang_compose_topology()
+    return foreign_compose_document(topology or sglang_compose_topology(), _service)
+
+
+def foreign_compose_document(topo: Topology, service: Callable[[Any, Service], dict[str, Any]]
+                             ) -> dict[str, Any]:
+    """The compose document of ``topo``'s services, each made by ``service``: etcd auth set
+    up first, a volume per etcd member and the shared Hugging Face cache."""
     services = topo.services(ComposeNetwork())
     return {"version": "3.9",
-            "services": with_etcd_auth(topo, {s.name: _service(topo, s) for s in services},
+            "services": with_etcd_auth(topo, {s.name: service(topo, s) for s in services},
                                        {"image": KVATLAS_IMAGE_ENV}),
             "volumes": {**{f"{n}-data": {} for n in topo.etcd_names()}, "hf-cache": {}}}
 

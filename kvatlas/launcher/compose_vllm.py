@@ -14,10 +14,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from kvatlas.launcher.compose import ADMIN_TOKEN_ENV, compose_service, render_yaml, with_etcd_auth
-from kvatlas.launcher.compose_sglang import HF_CACHE, KVATLAS_IMAGE_ENV, _engine_service
+from kvatlas.launcher.compose import ADMIN_TOKEN_ENV, render_yaml
+from kvatlas.launcher.compose_sglang import (
+    HF_CACHE,
+    _engine_service,
+    foreign_compose_document,
+    kvatlas_service,
+)
 from kvatlas.launcher.etcd_auth import EtcdAuth
-from kvatlas.launcher.topology import ComposeNetwork, Network, Service, Topology
+from kvatlas.launcher.topology import Network, Service, Topology
 
 VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 """Pinned: ``--kv-events-config`` with the ZMQ publisher as the sidecar reads it."""
@@ -100,25 +105,11 @@ def _service(topo: VllmTopology, svc: Service) -> dict[str, Any]:
         out["environment"] = ["HF_TOKEN"]
         out["volumes"] = [f"hf-cache:{HF_CACHE}"]
         return out
-    out = compose_service(svc)
-    if "depends_on" in out:
-        out["depends_on"] = {d: {"condition": "service_healthy" if d in topo.etcd_names()
-                                 else "service_started"} for d in out["depends_on"]}
-    if svc.role in ("router", "sidecar"):
-        out["image"] = KVATLAS_IMAGE_ENV
-        out.pop("build", None)
-    if svc.role == "sidecar":
-        out.pop("healthcheck", None)
-    return out
+    return kvatlas_service(topo, svc)
 
 
 def vllm_compose_document(topology: VllmTopology | None = None) -> dict[str, Any]:
-    topo = topology or vllm_compose_topology()
-    services = topo.services(ComposeNetwork())
-    return {"version": "3.9",
-            "services": with_etcd_auth(topo, {s.name: _service(topo, s) for s in services},
-                                       {"image": KVATLAS_IMAGE_ENV}),
-            "volumes": {**{f"{n}-data": {} for n in topo.etcd_names()}, "hf-cache": {}}}
+    return foreign_compose_document(topology or vllm_compose_topology(), _service)
 
 
 def vllm_compose_yaml(topology: VllmTopology | None = None) -> str:
