@@ -183,14 +183,7 @@ class Dispatcher:
             functools.partial(self._prefill_done, prefill, t0, decode_call, prefill_pages))
         try:
             resp = await decode_call
-            if not stream:
-                first = resp.take()
-            elif resp.status == 200:
-                first = await resp.read_chunk()
-            else:
-                # A streamed call resolves at the head, and an error is answered (or retried)
-                # whole, not streamed: its body may still be on its way.
-                first = await resp.read()
+            first = await _first_bytes(resp, stream)
         except asyncio.CancelledError:
             err = _prefill_error(prefill_call)
             task = asyncio.current_task()
@@ -257,12 +250,7 @@ class Dispatcher:
         try:
             try:
                 resp = await call
-                if not stream:
-                    first = resp.take()
-                elif resp.status == 200:
-                    first = await resp.read_chunk()
-                else:
-                    first = await resp.read()  # an error is answered (or retried) whole
+                first = await _first_bytes(resp, stream)
             except asyncio.CancelledError:
                 _drop(call)
                 raise
@@ -365,6 +353,16 @@ class Dispatcher:
                     _record(self.state, decode, None, "stream")
             self.state.metrics.latency[decode.role].observe(time.perf_counter() - t0)
         return out
+
+
+async def _first_bytes(resp: UpstreamResponse, stream: bool) -> bytes:
+    """The whole answer, or a stream's first chunk. A streamed call resolves at the head, and
+    an error is answered (or retried) whole, not streamed: its body may still be on its way."""
+    if not stream:
+        return resp.take()
+    if resp.status == 200:
+        return await resp.read_chunk()
+    return await resp.read()
 
 
 def _prefill_error(call: asyncio.Future[UpstreamResponse]) -> str | None:
