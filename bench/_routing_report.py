@@ -4,6 +4,10 @@ from __future__ import annotations
 from typing import Any
 
 
+def _workers(setup: dict[str, Any]) -> str:
+    return "aggregated engines" if setup.get("fleet") == "aggregated" else "prefills"
+
+
 def print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -14,7 +18,8 @@ def print_table(result: dict[str, Any]) -> None:
     off = result["offline"]
     t = Table(title=f"routing quality: {result['trace']['requests']} requests, "
                     f"{result['trace']['prompt_tokens']} prompt tokens, "
-                    f"{result['setup']['prefills']} prefills x {result['setup']['prefill_pages']} "
+                    f"{result['setup']['prefills']} "
+                    f"{_workers(result['setup'])} x {result['setup']['prefill_pages']} "
                     f"pages + {result['setup'].get('host_pages', 0)} host (union "
                     f"{off['union_blocks']} of {result['trace']['distinct_blocks']} "
                     f"distinct blocks)")
@@ -46,7 +51,7 @@ def print_table(result: dict[str, Any]) -> None:
     print("TTFT = request sent to the router -> first streamed token event through it.")
     for name, r in runs.items():
         view = r.get("router_view") or {}
-        if "random_fallbacks" in view:
+        if view.get("pd_selections"):
             print(f"{name}: {view['random_fallbacks']} random fallbacks ('No tree found for "
                   f"model') in {view['pd_selections']} PD pair selections (its prefill and "
                   f"decode policy log one each): cache_aware placed requests at random")

@@ -205,6 +205,7 @@ async def replay(url: str | list[str], reqs: list[Req], concurrency: int,
     for r in reqs:
         queue.put_nowait(r)
     ttft: list[float] = []
+    ttft_by_rid: dict[int, float] = {}
     e2e: list[float] = []
     errors: list[str] = []
     meta_cached = 0
@@ -241,6 +242,7 @@ async def replay(url: str | list[str], reqs: list[Req], concurrency: int,
             errors.append("no streamed event")
             return
         ttft.append(first)
+        ttft_by_rid[r.rid] = round(1000 * first, 2)
         e2e.append(time.perf_counter() - t0)
         meta_cached += int(last_meta.get("cached_tokens") or 0)
 
@@ -276,7 +278,9 @@ async def replay(url: str | list[str], reqs: list[Req], concurrency: int,
             "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
             "e2e_p50_ms": pct(e2e, 0.5),
             "ttft_mean_ms": round(1000 * statistics.fmean(ttft), 2) if ttft else None,
-            "meta_cached_tokens": meta_cached}
+            "meta_cached_tokens": meta_cached,
+            "ttft_ms_by_rid": ttft_by_rid}
+    # ttft_ms_by_rid: each answered request's TTFT (ms), for benches that split the trace
 
 
 # --- offline figures ------------------------------------------------------------------------

@@ -19,6 +19,12 @@ does not fit one instance but does fit their union), one decode, and the router:
   of its selections fell back to a random worker ("No tree found for model"): sglang-router 0.3.2
   does that for every PD request here, and the table says so rather than hiding it.
 
+``--fleet aggregated``: the same with N aggregated engines (``--mode monolithic --etcd``, the same
+finite prefix cache) and no decode: one request goes to one engine. The kvatlas routers discover
+them from etcd (kv_aware ranks them by index match against load); sglang-router runs in REGULAR
+mode (``--worker-urls URL... --policy cache_aware``, its approximate text tree per worker). Cached
+tokens are then summed over the aggregated engines.
+
 Traces: ``--shape chat`` (default), ``rounds`` (the host-tier scenario: every conversation
 takes turn t before any takes turn t+1, with ``--host-pages``) and ``hot`` (a burst of 256
 requests sharing a 32-block prefix, all at once: the load-imbalance scenario), or ``--trace``
@@ -49,16 +55,9 @@ Goal (issue #6): kv_aware >= 1.5x round robin's cached tokens, and more than cac
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -67,275 +66,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 
 import _routing_trace as rt  # noqa: E402
-from _results import write_result
+from _results import write_result  # noqa: E402
+from _routing_cluster import MODEL, run_router  # noqa: E402
 from _routing_report import print_table  # noqa: E402
 
-from kvatlas.etcd_proc import EtcdCluster, free_port  # noqa: E402
+from kvatlas.etcd_proc import EtcdCluster  # noqa: E402
 
 ROUTERS = ("kv_aware", "kv_aware:gpu_only", "kv_aware:no_share", "round_robin", "power_of_two",
            "sglang:cache_aware")
-VARIANTS = {
-    "kv_aware:gpu_only": ("--host-hit-weight", "0", "--disk-hit-weight", "0"),
-    "kv_aware:no_share": ("--no-share-predictions",),
-}
-"""kvatlas router flags of a variant: ``gpu_only`` credits no host or disk block, as a router
-that forgets a block when its GPU copy goes (the baseline of tier-aware scoring); ``no_share``
-keeps each router's predictions to itself (the baseline of shared predictions, with
-``--router-counts``)."""
-MODEL = "tiny"
-
-
-# --- processes ----------------------------------------------------------------------------------
-
-class Proc:
-    """One subprocess in its own process group (its rank children die with it)."""
-
-    def __init__(self, name: str, args: list[str], logdir: Path) -> None:
-        self.name = name
-        self.log_path = logdir / f"{name}.log"
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env.setdefault("KVATLAS_LOG_LEVEL", "WARNING")
-        self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self.log_path.open("wb"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-2000:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(8)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # stragglers of the group
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read().decode(errors="replace")
-    except urllib.error.HTTPError as exc:
-        return exc.code, ""
-    except OSError:
-        return 0, ""
-
-
-def wait_until(check, procs: list[Proc], what: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if not p.alive():
-                raise RuntimeError(f"{p.name} exited while waiting for {what}:\n{p.tail()}")
-        if check():
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)$", line)
-        if m:
-            total += float(m.group(1))
-    return total
-
-
-class Cluster:
-    """Fresh prefills + one decode under a new etcd key prefix, and one router in front."""
-
-    def __init__(self, args: argparse.Namespace, etcd: str, prefix: str, logdir: Path) -> None:
-        self.args, self.etcd, self.prefix, self.logdir = args, etcd, prefix, logdir
-        self.prefills: list[dict[str, Any]] = []
-        self.decode: dict[str, Any] = {}
-        self.procs: list[Proc] = []
-        self.router_url = ""
-        self.router_urls: list[str] = []
-        """Every router of the run (``--router-counts``): requests are sprayed across them."""
-        self.router_proc: Proc | None = None
-
-    def _engine(self, mode: str, name: str, pages: int) -> dict[str, Any]:
-        port = free_port()
-        args = [sys.executable, "-m", "kvatlas", "engine", "serve", "--mode", mode,
-                "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
-                "--num-pages", str(pages), "--instance-id", name,
-                "--etcd", self.etcd, "--etcd-prefix", self.prefix]
-        info: dict[str, Any] = {"name": name, "url": f"http://127.0.0.1:{port}"}
-        if mode == "prefill":
-            info["bport"] = free_port()
-            args += ["--bootstrap-port", str(info["bport"]),
-                     "--host-pages", str(getattr(self.args, "host_pages", 0))]
-        info["proc"] = Proc(f"{self.prefix.strip('/')}-{name}", args, self.logdir)
-        self.procs.append(info["proc"])
-        return info
-
-    def start_workers(self) -> None:
-        a = self.args
-        self.prefills = [self._engine("prefill", f"prefill-{i}", a.prefill_pages)
-                         for i in range(a.prefills)]
-        self.decode = self._engine("decode", "decode-0", a.decode_pages)
-
-        def ready() -> bool:
-            for w in [*self.prefills, self.decode]:
-                if http_get(w["url"] + "/health")[0] != 200:
-                    return False
-                if "bport" in w and http_get(f"http://127.0.0.1:{w['bport']}/ready")[0] != 200:
-                    return False
-            return True
-
-        wait_until(ready, self.procs, "engine instances", 180)
-
-    def start_routers(self, router: str, count: int) -> None:
-        for k in range(count):
-            self.start_router(router, k)
-            self.router_urls.append(self.router_url)
-        self.router_url = self.router_urls[0]
-
-    def start_router(self, router: str, k: int = 0) -> None:
-        port = free_port()
-        self.router_url = f"http://127.0.0.1:{port}"
-        if router.startswith("sglang:"):
-            pf = [x for w in self.prefills for x in ("--prefill", w["url"], str(w["bport"]))]
-            args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                    "--port", str(port), "--pd-disaggregation", *pf,
-                    "--decode", self.decode["url"], "--policy", router.split(":")[1],
-                    "--log-level", "debug",
-                    "--prometheus-port", str(free_port()),
-                    *getattr(self.args, "sglang_arg", [])]
-        else:
-            args = [sys.executable, "-m", "kvatlas", "router", "serve", "--host", "127.0.0.1",
-                    "--port", str(port), "--etcd", self.etcd, "--etcd-prefix", self.prefix,
-                    "--model", MODEL, "--policy", router.split(":")[0],
-                    "--decode-policy", "power_of_two", "--health-check-interval-secs", "1",
-                    *VARIANTS.get(router, ()),
-                    *getattr(self.args, "kvatlas_arg", [])]
-        proc = Proc(f"{self.prefix.strip('/')}-router{k}", args, self.logdir)
-        self.router_proc = proc
-        self.procs.append(proc)
-
-        def ready() -> bool:
-            if http_get(self.router_url + "/readiness")[0] != 200:
-                return False
-            if router.startswith("sglang:"):
-                return True
-            code, body = http_get(self.router_url + "/workers")
-            if code != 200:
-                return False
-            text = json.dumps(json.loads(body))
-            return all(w["name"] in text for w in self.prefills)
-
-        wait_until(ready, [proc], f"router {router}", 60)
-
-    def prefill_metrics(self) -> dict[str, float]:
-        out = {"cached_tokens": 0.0, "prefill_computed_tokens": 0.0, "prompt_tokens": 0.0,
-               "requests": 0.0, "kv_evictions": 0.0}
-        per = []
-        for w in self.prefills:
-            code, text = http_get(w["url"] + "/metrics", timeout=5)
-            if code != 200:
-                raise RuntimeError(f"{w['name']} /metrics answered {code}")
-            row = {k: metric(text, f"kvatlas_engine_{k}_total")
-                   or metric(text, f"kvatlas_engine_{k}") for k in out}
-            per.append({"instance": w["name"], **row})
-            for k in out:
-                out[k] += row[k]
-        return {**out, "per_instance": per}  # type: ignore[dict-item]
-
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
-        self.procs.clear()
-
-
-# --- per-router run ----------------------------------------------------------------------------
-
-def router_diag(url: str) -> dict[str, float]:
-    """kvatlas router's own view: predicted prefix-hit tokens, index size, shared predictions."""
-    code, text = http_get(url + "/metrics", timeout=5)
-    if code != 200:
-        return {}
-    out = {key: metric(text, f"kvatlas_router_{name}")
-           for key, name in (("prefix_hit_tokens", "prefix_hit_tokens_total"),
-                             ("index_blocks", "index_blocks"),
-                             ("predicted_blocks", "predicted_blocks"),
-                             ("index_ready", "index_ready"),
-                             ("prediction_puts", "shared_prediction_puts_total"),
-                             ("prediction_bytes", "shared_prediction_bytes_total"))}
-    for direction in ("sent", "received", "stale"):
-        out[f"shared_{direction}"] = metric(
-            text, f'kvatlas_router_shared_predictions_total{{direction="{direction}"}}')
-    return out
-
-
-def etcd_puts(endpoint: str) -> float:
-    """Puts etcd has applied since it started (its own /metrics)."""
-    code, text = http_get(f"http://{endpoint}/metrics", timeout=5)
-    return metric(text, "etcd_mvcc_put_total") if code == 200 else float("nan")
-
-
-def sglang_diag(log: Path) -> dict[str, int]:
-    """sglang-router's debug log: how many prefill selections its cache_aware policy made from
-    its radix tree, and how many fell back to a random worker ("No tree found for model")."""
-    try:
-        text = log.read_text(errors="replace")
-    except OSError:
-        return {}
-    return {"pd_selections": text.count("Selecting PD pair"),
-            "random_fallbacks": text.count("No tree found for model")}
-
-
-def run_router(args: argparse.Namespace, etcd: str, router: str, i: int, logdir: Path,
-               reqs: list[rt.Req], count: int = 1) -> dict[str, Any]:
-    t0 = time.monotonic()
-    for attempt in range(3):
-        # free_port() can race with other processes on the box: retry on a lost port
-        cluster = Cluster(args, etcd, f"/rq{os.getpid()}x{i}a{attempt}", logdir)
-        try:
-            cluster.start_workers()
-            cluster.start_routers(router, count)
-            break
-        except BaseException as exc:  # Ctrl-C included: never leave a process behind
-            cluster.stop()
-            if "address already in use" not in str(exc) or attempt == 2:
-                raise
-            print(f"  {router}: a port was taken meanwhile; starting again", flush=True)
-    try:
-        startup = time.monotonic() - t0
-        puts0 = etcd_puts(etcd.split(",")[0])
-        res = asyncio.run(rt.replay(cluster.router_urls, reqs, args.concurrency,
-                                    args.request_timeout))
-        time.sleep(0.3)
-        res["etcd_puts"] = etcd_puts(etcd.split(",")[0]) - puts0
-        res.update(cluster.prefill_metrics())
-        served = [row["requests"] for row in res["per_instance"]]
-        # How evenly the requests went: max over mean of each prefill's (1.0: perfectly even).
-        res["spread"] = (max(served) / (sum(served) / len(served))) if sum(served) else None
-        if router.startswith("sglang:") and cluster.router_proc is not None:
-            res["router_view"] = sglang_diag(cluster.router_proc.log_path)
-        else:
-            views = [router_diag(u) for u in cluster.router_urls]
-            res["router_view"] = {k: sum(v.get(k, 0.0) for v in views)
-                                  for k in {k for v in views for k in v}}
-        res["routers"] = count
-        res["startup_s"] = round(startup, 1)
-        return res
-    finally:
-        cluster.stop()
 
 
 def main() -> int:
@@ -351,7 +89,11 @@ def main() -> int:
     p.add_argument("--mooncake-block-chars", type=int, default=64,
                    help="characters per Mooncake hash id (its 512 tokens, scaled down)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefills", type=int, default=3)
+    p.add_argument("--prefills", type=int, default=3,
+                   help="prefill instances (with --fleet aggregated: aggregated engines)")
+    p.add_argument("--fleet", choices=("pd", "aggregated"), default="pd",
+                   help="pd: prefills + one decode; aggregated: monolithic engines registered "
+                        "as aggregated instances (sglang-router then runs in regular mode)")
     p.add_argument("--prefill-pages", type=int, default=None,
                    help="KV pool pages per prefill = its prefix-cache capacity (default 300; "
                         "quick 200)")
@@ -428,14 +170,15 @@ def main() -> int:
         "trace": {**trace_desc, "requests": len(reqs), "prompt_tokens": total,
                   "distinct_blocks": rt.distinct_blocks(reqs),
                   "max_prompt_tokens": max(len(rt.prompt_tokens(r.text)) for r in reqs)},
-        "setup": {"prefills": n, "prefill_pages": args.prefill_pages,
+        "setup": {"fleet": args.fleet, "prefills": n, "prefill_pages": args.prefill_pages,
                   "host_pages": args.host_pages, "page_size": rt.BLOCK, "model": MODEL,
                   "decode_pages": args.decode_pages, "concurrency": args.concurrency,
                   "max_new_tokens": args.max_new_tokens,
                   "ttft": "request sent -> first streamed token event through the router"},
         "offline": offline, "runs": {}}
     print(f"trace: {len(reqs)} requests, {total} prompt tokens, "
-          f"{result['trace']['distinct_blocks']} distinct blocks; {n} prefills x "
+          f"{result['trace']['distinct_blocks']} distinct blocks; {n} {args.fleet} cache "
+          f"workers x "
           f"{args.prefill_pages} pages + {args.host_pages} host; "
           f"oracle {offline['oracle_belady']} tokens", flush=True)
     logdir = Path(tempfile.mkdtemp(prefix="kvatlas-rq-"))
@@ -449,9 +192,11 @@ def main() -> int:
         for i, (router, count) in enumerate(runs):
             t1 = time.monotonic()
             try:
-                res = run_router(args, etcd.endpoints, router, i, logdir, reqs, count)
+                res = run_router(args, etcd.endpoints, router, i, logdir, reqs, count,
+                                 fleet=args.fleet)
             except RuntimeError as exc:
                 res = {"error": str(exc)[:2000]}
+            res.pop("ttft_ms_by_rid", None)
             if count != 1:
                 router = f"{router} x{count}"
             result["runs"][router] = res

@@ -1,0 +1,88 @@
+"""The aggregated and mixed-fleet modes of the routing benches (bench/_routing_cluster.py,
+bench/mixed_fleet.py): the mixed trace, and a real aggregated cluster replaying through kv_aware.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str):
+    # bench/ is not a package, and putting it first on sys.path would shadow the ``index``
+    # package with bench/index.py: load each module from its file, helpers first.
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+rt = _load("_routing_trace")
+_load("_results")
+rc = _load("_routing_cluster")
+mf = _load("mixed_fleet")
+
+
+def test_mixed_trace_has_every_kind_and_conversations_grow() -> None:
+    reqs, kinds = mf.mixed_trace(seed=1, short=6, long=3, conversations=2, turns=3)
+    assert (reqs, kinds) == mf.mixed_trace(seed=1, short=6, long=3, conversations=2, turns=3)
+    counts = {k: sum(1 for v in kinds.values() if v == k) for k in mf.KINDS}
+    assert counts == {"short": 6, "long": 3, "opener": 2, "followup": 4}
+    sizes = {k: [len(rt.prompt_tokens(r.text)) for r in reqs if kinds[r.rid] == k]
+             for k in mf.KINDS}
+    # short prompts stay under the default disagg threshold, long ones far above it
+    assert max(sizes["short"]) < 128 and min(sizes["long"]) > 1024
+    last: dict[str, str] = {}
+    for r in reqs:
+        assert len(rt.prompt_tokens(r.text)) + r.max_new_tokens <= rt.MAX_POSITIONS
+        if kinds[r.rid] == "followup":
+            # each follow-up extends its conversation's previous turn (a cacheable prefix)
+            assert r.text.startswith(last[r.session])
+        if r.session:
+            last[r.session] = r.text
+
+
+def test_summarize_splits_ttft_by_kind_and_reads_decisions() -> None:
+    kinds = {0: "short", 1: "short", 2: "long", 3: "opener"}
+    res = {"ok": 4, "wall_s": 2.0, "ttft_ms_by_rid": {0: 10.0, 1: 30.0, 2: 100.0, 3: 90.0},
+           "router_view": {"disagg:pd:long_uncached": 2.0, "disagg:aggregated:short_uncached": 2.0,
+                           "index_blocks": 7.0}}
+    s = mf.summarize(res, kinds)
+    assert s["short"] == {"n": 2, "ttft_p50_ms": 30.0, "ttft_p90_ms": 30.0}
+    assert s["long"]["ttft_p50_ms"] == 100.0 and s["followup"]["n"] == 0
+    assert s["throughput_rps"] == 2.0
+    assert s["decisions"] == {"pd:long_uncached": 2.0, "aggregated:short_uncached": 2.0}
+    assert "ttft_ms_by_rid" not in res
+
+
+def test_cluster_rejects_hiding_outside_a_mixed_fleet(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="hide"):
+        rc.Cluster(argparse.Namespace(), "127.0.0.1:1", "/x", tmp_path, "pd", hide="pd")
+    with pytest.raises(ValueError, match="fleet"):
+        rc.Cluster(argparse.Namespace(), "127.0.0.1:1", "/x", tmp_path, "monolith")
+
+
+def test_aggregated_fleet_caches_a_shared_prefix_through_kv_aware(etcd_endpoint: str,
+                                                                   tmp_path: Path) -> None:
+    # two turns of one conversation, then a second conversation on the same system prompt:
+    # kv_aware must send the later ones to the aggregated engine holding the prefix
+    system = "<|system|>\nshared: " + "kernel cache route token " * 20
+    texts = [system + "q1", system + "q1 a1 q2", system + "other"]
+    reqs = [rt.Req(i, t, 2, session="s") for i, t in enumerate(texts)]
+    args = argparse.Namespace(prefills=2, prefill_pages=64, decode_pages=256, concurrency=1,
+                              request_timeout=60.0, kvatlas_arg=[], sglang_arg=[])
+    res = rc.run_router(args, etcd_endpoint, "kv_aware", 0, tmp_path, reqs, fleet="aggregated")
+    assert res["errors"] == 0 and res["ok"] == 3, res.get("error_samples")
+    assert [row["instance"] for row in res["per_instance"]] == ["agg-0", "agg-1"]
+    assert res["prompt_tokens"] == sum(len(rt.prompt_tokens(t)) for t in texts)
+    # the system prompt is 32 blocks: both later requests find at least 30 of them cached
+    assert res["cached_tokens"] >= 2 * 30 * rt.BLOCK, res["per_instance"]
+    assert res["fleet"] == "aggregated" and len(res["ttft_ms_by_rid"]) == 3
