@@ -78,7 +78,8 @@ async def test_a_start_refused_for_a_live_id_closes_what_it_opened(
         etcd_settings: EtcdSettings, key_prefix: str, etcd: EtcdClient) -> None:
     """A second engine with a live instance's id is refused (InstanceIdInUse) and leaves the
     first one's record as it was."""
-    access = ClusterAccess(etcd=etcd_settings, prefix=key_prefix, lease_ttl=30)
+    # The claim watches a held lease for ttl / 3 (+ slack) to see it renewed: a short TTL.
+    access = ClusterAccess(etcd=etcd_settings, prefix=key_prefix, lease_ttl=6)
     port = free_port()
 
     def app(iid: str) -> aiohttp.web.Application:
