@@ -194,6 +194,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "context_length": _opt(_int()),
     "max_running_requests": _opt(_int()),
     "max_total_num_tokens": _opt(_int()),
+    "local_prefill": _with_default(_bool, False),
 }
 
 
@@ -250,6 +251,10 @@ class InstanceRecord:
     max_total_num_tokens: int | None = None
     """The engine's KV pool in tokens (pages x ``page_size``): what a router's requests there may
     need at once."""
+    local_prefill: bool = False
+    """A decode that also prefills a request itself, from its own prefix cache, when a router
+    sends it one with ``X-Kvatlas-Prefill: local`` and no bootstrap fields (its blocks are then
+    indexed under its lease): a router may serve a short prompt there whole."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Fields this version does not know; written back unchanged."""
 
