@@ -107,7 +107,7 @@ class Canaries:
         """Prefill ``worker`` served a prompt of ``tokens`` (``hashes``: its block hashes in
         the base namespace when the policy made them, else they are made here if needed)."""
         bs = self.config.block_size
-        if worker.role not in COMPUTE_ROLES or len(tokens) < bs:
+        if (worker.role not in COMPUTE_ROLES and not worker.local_prefill) or len(tokens) < bs:
             return
         iid = worker.instance_id
         st = self._stats.get(iid)

@@ -31,7 +31,7 @@ from router.requests import Parsed, inject, with_rid
 from router.route import decide, route_context
 from router.state import Pair, RouterState
 from router.upstreams import Upstreams
-from router.workers import Worker
+from router.workers import DECODE, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +140,10 @@ class Dispatcher:
                     cap.take(answering, need, True)) if need is not None else (0, 0)
             try:
                 if decode is None:
-                    result = await self._attempt_one(request, path, p, body, wire_headers,
-                                                     parsed.stream, reply, echo)
+                    result = await self._attempt_one(
+                        request, path, p, body,
+                        local_headers(headers) if p.role == DECODE else wire_headers,
+                        parsed.stream, reply, echo)
                 else:
                     result = await self._attempt(request, path, pair, body, wire_headers,
                                                  parsed.stream, reply, echo, held[0])
@@ -353,6 +355,16 @@ class Dispatcher:
                     _record(self.state, decode, None, "stream")
             self.state.metrics.latency[decode.role].observe(time.perf_counter() - t0)
         return out
+
+
+LOCAL_PREFILL_HEADER = "x-kvatlas-prefill"
+"""Sent (``local``) with a request a decode serves whole: it prefills the prompt itself."""
+
+
+def local_headers(headers: dict[str, str]) -> bytes:
+    """``headers`` on the wire, asking a decode that prefills locally to serve the request
+    whole (its record says ``local_prefill``)."""
+    return encode_headers({**headers, LOCAL_PREFILL_HEADER: "local"})
 
 
 async def _first_bytes(resp: UpstreamResponse, stream: bool) -> bytes:

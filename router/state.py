@@ -23,7 +23,7 @@ from router.policies import make_policy
 from router.policy import Choice, Policy, RouteContext
 from router.shared_predictions import ShareStats
 from router.tokenizers import Tokenizers
-from router.workers import AGGREGATED, COMPUTE_ROLES, DECODE, PREFILL, Worker, WorkerPools
+from router.workers import AGGREGATED, DECODE, PREFILL, Worker, WorkerPools
 
 PD, AGGREGATED_SHAPE = "pd", "aggregated"
 """The two shapes a request can be served in: a prefill/decode pair, or one aggregated worker."""
@@ -97,8 +97,8 @@ class RouterState:
     def _on_pool_change(self, event: str, worker: Worker) -> None:
         if event == "leave":
             self.metrics.forget(worker.role, worker.instance_id)
-            if worker.role in COMPUTE_ROLES:
-                self.prefill_policy.forget(worker.instance_id)
+            # A decode that prefilled locally has predictions and work there too.
+            self.prefill_policy.forget(worker.instance_id)
 
     # --- index ----------------------------------------------------------------------------
 
@@ -242,12 +242,16 @@ class RouterState:
         return workers
 
     def shapes(self) -> tuple[bool, bool]:
-        """(a PD pair can be formed, an aggregated worker is there): the workers registered
-        and counted, whether or not they can serve right now."""
+        """(a PD pair can be formed, a worker can serve a request whole: an aggregated one, or
+        a decode that prefills locally): the workers registered and counted, whether or not
+        they can serve right now."""
         pools = self.pools.workers
         def has(role: str) -> bool:
             return any(w.shadowed_by is None for w in pools[role].values())
-        return has(PREFILL) and has(DECODE), has(AGGREGATED)
+        pd = has(PREFILL) and has(DECODE)
+        whole = has(AGGREGATED) or (pd and any(w.local_prefill and w.shadowed_by is None
+                                               for w in pools[DECODE].values()))
+        return pd, whole
 
     def select_pair(self, ctx: RouteContext, exclude: set[str] | None = None,
                     need: Need | None = None, unfit: frozenset[str] = frozenset()) -> Pair:
@@ -321,13 +325,29 @@ class RouterState:
 
     def _select_aggregated(self, ctx: RouteContext, exclude: set[str] | None,
                            need: Need | None, unfit: frozenset[str]) -> Choice:
-        workers = self._available(AGGREGATED, exclude)
+        """A worker to serve ``ctx`` whole: an aggregated one, or a decode that prefills
+        locally (sent the request with ``X-Kvatlas-Prefill: local``)."""
+        workers = self._whole_workers(exclude)
         if unfit:
             workers = self.pools.fitting(AGGREGATED, workers, unfit)
         if need is not None:
             # It holds the prompt and what it generates, as a decode does.
             workers = self.capacity.with_room(workers, need, True, AGGREGATED)
         return self.prefill_policy.select(workers, ctx)
+
+    def _whole_workers(self, exclude: set[str] | None) -> list[Worker]:
+        try:
+            workers = self._available(AGGREGATED, exclude)
+        except NoWorkers:
+            workers = []
+        if any(w.local_prefill for w in self.pools.workers[DECODE].values()):
+            try:
+                workers += [w for w in self._available(DECODE, exclude) if w.local_prefill]
+            except NoWorkers:
+                pass
+        if not workers:
+            raise NoWorkers(AGGREGATED, self.pools.unavailable_reason(AGGREGATED))
+        return workers
 
     def _select_pd(self, ctx: RouteContext, exclude: set[str] | None, need: Need | None,
                    unfit: frozenset[str]) -> Pair:

@@ -119,6 +119,12 @@ class Worker:
         self.url_key = normalize_url(self.url)
 
     @property
+    def local_prefill(self) -> bool:
+        """A decode whose record says it prefills a request itself when asked
+        (``X-Kvatlas-Prefill: local``): a candidate for serving a request whole."""
+        return self.role == DECODE and self.record.get("local_prefill") is True
+
+    @property
     def counted(self) -> bool:
         """Not shadowed: counts as a worker of its pool (a shadowed one is its etcd twin)."""
         return self.shadowed_by is None

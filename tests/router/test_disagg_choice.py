@@ -9,6 +9,9 @@ import json
 from typing import Any
 
 from router_stubs import router_config
+from waiting import wait_until
+
+from router.config import RouterConfig
 
 BS = 16
 TOKEN = "secret-token"
@@ -69,7 +72,6 @@ async def test_busy_prefills_send_long_prompts_to_an_idle_aggregated_worker(
                                                 busy_queue=4, load_interval=0.05)
     prefill.metrics_text = "sglang:num_queue_reqs 9\nsglang:num_running_reqs 1\n"
     agg.metrics_text = "sglang:num_queue_reqs 0\nsglang:num_running_reqs 0\n"
-    from waiting import wait_until
 
     async def prefill_seen_busy() -> bool:
         async with router.get("/workers") as r:
@@ -92,3 +94,46 @@ async def test_bad_disagg_threshold_is_a_400_naming_it(stubs: Any, start_router:
             body = await r.json()
             assert r.status == 400, body
             assert "disagg_tokens" in json.dumps(body), body
+
+
+async def test_a_decode_that_prefills_locally_serves_short_prompts_whole(
+        stubs: Any, start_router: Any, etcd_settings: Any, key_prefix: str,
+        register: Any) -> None:
+    """No aggregated worker, but a decode whose record says ``local_prefill``: a short prompt
+    goes to it alone, asked with ``X-Kvatlas-Prefill: local`` and no bootstrap fields; a long
+    one goes to the PD pair; a decode without the field is never sent a whole request."""
+    (p,), (d_local, d_plain) = await stubs("prefill", 1), await stubs("decode", 2)
+    router = await start_router(RouterConfig(
+        etcd=etcd_settings, etcd_prefix=key_prefix, model="tiny", health_interval=60,
+        tokenizers={None: "byte"}, explain_routes=True, block_size=BS, disagg_tokens=256,
+        decode_policy="round_robin"))
+    await register("p0", {"role": "prefill", "url": p.url, "model": "tiny"})
+    await register("d-local", {"role": "decode", "url": d_local.url, "model": "tiny",
+                               "local_prefill": True})
+    await register("d-plain", {"role": "decode", "url": d_plain.url, "model": "tiny"})
+
+    async def all_listed() -> bool:
+        async with router.get("/workers") as r:
+            doc = await r.json()
+        return len(doc["prefill"]) == 1 and len(doc["decode"]) == 2
+    await wait_until(all_listed, what="the router lists p0, d-local and d-plain")
+
+    for i in range(3):
+        async with router.post("/generate", json=_body(3 * BS, start=1 + i)) as r:
+            assert r.status == 200, await r.text()
+            why = json.loads(r.headers["x-kvatlas-route"])
+        assert why["worker"] == "d-local" and why["disaggregation"]["path"] == "aggregated"
+    assert len(d_local.bodies) == 3 and not d_plain.bodies and not p.bodies
+    assert all("bootstrap_room" not in b for b in d_local.bodies)
+    assert all(_lower(h).get("x-kvatlas-prefill") == "local" for h in d_local.headers)
+
+    async with router.post("/generate", json=_body(40 * BS, start=50)) as r:
+        assert r.status == 200, await r.text()
+        why = json.loads(r.headers["x-kvatlas-route"])["disaggregation"]
+    assert why["path"] == "pd" and len(p.bodies) == 1
+    sent = (d_local.headers + d_plain.headers)[-1]
+    assert "x-kvatlas-prefill" not in _lower(sent), "a PD decode was asked to prefill locally"
+
+
+def _lower(headers: dict[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}
