@@ -23,15 +23,14 @@ from engine.registration import (
     LeasedRecord,
     check_advertise_host,
     engine_record,
+    index_blocks,
     public_host,
     served_fields,
 )
 from engine.serve_config import EngineServerConfig
 from index.access import DEFAULT_LEASE_TTL, ClusterAccess
-from index.events.feed import EventFeed
 from index.events.types import KVEvent
 from index.keys import validate_instance_id
-from index.pipeline import open_block_pipeline
 from index.record import AGGREGATED, InstanceRecord
 
 logger = logging.getLogger(__name__)
@@ -123,16 +122,8 @@ async def register(stack: contextlib.AsyncExitStack, cfg: AggregatedConfig, toke
     await reg.record.claim()
     stack.push_async_callback(reg.record.close)
     await reg.record.start()
-    assert cfg.instance_id is not None
     e = cfg.engine
-    pipeline = await open_block_pipeline(
-        stack, reg.record.presence.session, cfg.access.index_shards, cfg.access.layout,
-        e.model_name, cfg.instance_id, block_size=e.page_size, local=True)
-    assert pipeline.local is not None
-    feed = EventFeed(pipeline.local)
-    feed.start()
-    stack.push_async_callback(feed.close)
-    reg.sink = feed.sink
+    reg.sink = await index_blocks(stack, reg.record, cfg.access, e.model_name, e.page_size)
     logger.info("aggregated instance %s registered in etcd (blocks of %s indexed)",
                 cfg.instance_id, e.model_name)
     return reg

@@ -3,14 +3,19 @@ and the record kept under its own lease (``LeasedRecord``) for the roles that wr
 themselves (a prefill's is kept by its bootstrap server's mirror)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from engine.serve_config import EngineServerConfig
 from index.access import ClusterAccess
 from index.etcd import EtcdClient
+from index.events.feed import EventFeed
+from index.events.types import KVEvent
+from index.pipeline import open_block_pipeline
 from index.presence import Claim, InstancePresence
 from index.record import InstanceRecord
 from tokenization import tokenizer_record
@@ -98,3 +103,20 @@ class LeasedRecord:
 
     async def close(self) -> None:
         await self.presence.close()
+
+
+async def index_blocks(stack: contextlib.AsyncExitStack, record: LeasedRecord,
+                       access: ClusterAccess, model: str, block_size: int
+                       ) -> Callable[[list[KVEvent]], None]:
+    """Open the block pipeline of an instance that indexes its own prefix cache (an aggregated
+    engine, a decode that prefills locally): its blocks go in process through an ``EventFeed``
+    into ``open_block_pipeline``, under ``record``'s lease (started), so that they vanish with
+    it. Returns the sink the engine hands its KV events to; both close with ``stack``."""
+    pipeline = await open_block_pipeline(
+        stack, record.presence.session, access.index_shards, access.layout, model,
+        record.instance_id, block_size=block_size, local=True)
+    assert pipeline.local is not None
+    feed = EventFeed(pipeline.local)
+    feed.start()
+    stack.push_async_callback(feed.close)
+    return feed.sink

@@ -53,7 +53,11 @@ def build_rank(cfg: PDConfig, info: RankInfo, dist: Dist) -> tuple[Scheduler, KV
     model, tok = load_model(e.spec, device=e.device, kv_heads=heads)
     pool = KVPool(m.num_layers, m.num_kv_heads, m.head_dim, dtype_from_name(cfg.kv_dtype),
                   e.kv_pages, e.page_size, device=model.device, kv_heads=heads)
-    cache = PrefixCache(pool, enabled=e.enable_prefix_cache and cfg.mode == "prefill",
+    # A decode caches only what it prefills itself (``local_prefill``): KV that arrives by
+    # transfer is never stored (``Scheduler.add_prefilled``), so without local prefills the
+    # cache stays empty and is off, as it always was.
+    cached = cfg.mode == "prefill" or cfg.local_prefill
+    cache = PrefixCache(pool, enabled=e.enable_prefix_cache and cached,
                         host_pages=e.host_pages if cfg.mode == "prefill" else 0)
     # every rank detokenizes too: its requests must stop (EOS, stop strings) when the leader's do
     sched = Scheduler(ShardedModel(model, dist.combine()), cache,  # type: ignore[arg-type]

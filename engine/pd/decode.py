@@ -1,5 +1,7 @@
 """The decode instance's leader: takes PD requests, fetches their KV from the prefill named by
 ``bootstrap_host``/``bootstrap_port``/``bootstrap_room``, validates it, generates and streams.
+A request with ``X-Kvatlas-Prefill: local`` and no bootstrap fields it serves whole, as the
+monolithic engine does (``engine.pd.local``).
 
 Per room it records the furthest stage reached (``engine.pd.rooms``), readable at
 ``GET /debug/rooms/{room}``. Pages are reserved on every TP rank (replicated scheduler call) before
@@ -30,13 +32,14 @@ from engine.pd.batch import PDItem, answer_batch, item_ids, read_openai_item, re
 from engine.pd.common import Bootstrap, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.fetch import DecodeRank, FetchError
+from engine.pd.local import wants_local_prefill
 from engine.pd.registration_decode import DecodeRecord
 from engine.pd.restarts import PrefillRestarts
 from engine.pd.rooms import RoomLog, RoomRecord
 from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, start_engine
 from engine.ranks.replica import ReplicatedScheduler
 from engine.ranks.uplink import UplinkServer
-from engine.registration import served_fields
+from engine.registration import index_blocks, served_fields
 from engine.runner import AsyncEngine
 from engine.scheduler import Request
 from transfer import HeartbeatMonitor, ReceiveResult, create_receiver
@@ -69,6 +72,8 @@ start time) -> response. /generate's and OpenAI's differ only here."""
 
 async def generate(request: web.Request) -> web.StreamResponse:
     ds = request.app[DECODE_KEY]
+    if await wants_local_prefill(request, ds.cfg):
+        return await mono.generate(request)
     items, batch = await read_pd_items(request)
     for item in items:  # all refused before any room opens
         check_item(ds, item)
@@ -92,6 +97,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def serve_openai(request: web.Request, chat: bool) -> web.StreamResponse:
     """An OpenAI request of the pair: the decode answers it in OpenAI's shape."""
     ds = request.app[DECODE_KEY]
+    if await wants_local_prefill(request, ds.cfg):
+        return await (openai_api.chat_completions if chat else openai_api.completions)(request)
     item, with_usage = await read_openai_item(request, chat)
     check_item(ds, item)
     rids = item_ids([item], lambda: openai_api.openai_rid(chat))
@@ -401,6 +408,11 @@ async def start_decode(app: web.Application, stack: contextlib.AsyncExitStack) -
         await record.start()
         # At a stop the record goes first: routers drop this decode before it stops fetching.
         stack.push_async_callback(close_record)
+        if sched.cache.enabled:  # it prefills locally: its cache's blocks go in the index
+            # (no request has run yet: the app serves once this start returns; closed before
+            # the lease is revoked)
+            engine.event_sink = await index_blocks(stack, record, cfg.access,
+                                                   cfg.engine.model_name, cfg.engine.page_size)
         watch = PrefillRestarts(record.client, record.layout,
                                 lambda addr, why: forget_prefill(ds, addr, why))
         restarts = asyncio.create_task(watch.run(), name="decode-prefill-restarts")

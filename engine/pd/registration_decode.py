@@ -1,5 +1,6 @@
-"""A decode instance's etcd record (role ``decode``, its HTTP url), kept under its own lease so
-that routers find it and drop it when the instance dies."""
+"""A decode instance's etcd record (role ``decode``, its HTTP url, whether it prefills a request
+itself: ``local_prefill``), kept under its own lease so that routers find it and drop it when the
+instance dies."""
 from __future__ import annotations
 
 from typing import Any
@@ -15,9 +16,12 @@ def decode_record(cfg: PDConfig, info: RankInfo, served: dict[str, Any] | None =
     """This decode's instance record (``served``: ``engine.registration.served_fields``, the
     tokenizer record and limits)."""
     assert cfg.instance_id is not None
+    # a decode that prefills locally indexes its cache's blocks (hashed per page)
+    more = {"block_size": cfg.engine.page_size} if cfg.local_prefill else {}
     return engine_record(cfg.engine, instance_id=cfg.instance_id, role=DECODE,
                          host=cfg.public_host, kv_cache_dtype=cfg.kv_dtype,
-                         tp_size=info.tp_size, dp_size=info.dp_size, served=served)
+                         tp_size=info.tp_size, dp_size=info.dp_size, served=served,
+                         local_prefill=cfg.local_prefill, **more)
 
 
 class DecodeRecord(LeasedRecord):
