@@ -201,3 +201,24 @@ async def test_with_etcd_the_locally_prefilled_blocks_are_indexed_under_the_deco
     finally:
         decode.stop()
         prefill.stop()
+
+
+async def test_a_tp2_decode_prefills_locally_with_its_ranks_in_lockstep() -> None:
+    """Every TP rank replicates the local request and its cache hit (the scheduler's ``add``),
+    so the sharded forward still equals the monolithic output on a second turn."""
+    decode = Proc("decode", "--tp", "2")
+    try:
+        decode.wait_ready()
+        base = [256, *b"a tensor-parallel decode prefilling a prompt of two pages"]
+        prompts = [base, base + list(b", then a follow-up")]
+        want = monolithic(prompts, [5, 5])
+        async with aiohttp.ClientSession() as s:
+            got = []
+            for ids in prompts:
+                st, doc = await post(s, decode.url + "/generate", local_body(ids, 5), LOCAL)
+                assert st == 200, doc
+                got.append(doc)
+        assert [d["output_ids"] for d in got] == want
+        assert got[1]["meta_info"]["cached_tokens"] >= 16 * (len(base) // 16)
+    finally:
+        decode.stop()
