@@ -28,6 +28,9 @@ class RouteContext:
     pre_hashed: tuple[int, list[int]] | None = None
     """(seed, hashes) computed before, off the event loop (``prompt_hashes``, by the same
     memoized hasher)."""
+    samples: tuple[str, int] | None = None
+    """(field, n) of a request asking for n > 1 samples: only a worker that serves it whole
+    may take it (``Parsed.samples``)."""
     _hashes: list[int] | None = None
 
     def hashes(self, hasher: PromptHasher, seed: int) -> list[int]:

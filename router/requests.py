@@ -59,6 +59,9 @@ class Parsed:
     tokenizer: Tokenizer | None = None
     """The tokenizer of ``model`` the text was encoded with; None: none is known here, and a
     text prompt's ids are empty (routed on load alone, ``load_only``)."""
+    samples: tuple[str, int] | None = None
+    """(field, n) when the body asks for n > 1 samples (``n``, ``sampling_params.n``): only a
+    worker that serves the request whole takes it (a PD pair runs one sample per room)."""
 
     @property
     def load_only(self) -> bool:
@@ -186,10 +189,11 @@ def parse_generate(body: dict[str, Any], max_tokens: int, limit: Limit | None = 
         else:
             prompts = [_ids(ids, "input_ids", limit)]
     sp = body.get("sampling_params")
+    samples = None
     if sp is not None:
         if not isinstance(sp, dict):
             raise BadRequest("sampling_params", f"must be an object, got {type(sp).__name__}")
-        _one_sample(sp.get("n"), "sampling_params.n")
+        samples = _samples(sp.get("n"), "sampling_params.n")
         for key in ("max_new_tokens", "min_new_tokens"):
             v = sp.get(key)
             # The usual small int passes without the full check (which gives the messages).
@@ -198,7 +202,8 @@ def parse_generate(body: dict[str, Any], max_tokens: int, limit: Limit | None = 
     stream = _flag(body, "stream")
     if batch is not None and stream:
         raise BadRequest("stream", "streaming is supported for a single prompt only")
-    return Parsed(body, prompts, batch, stream, _model(body), from_text=text is not None)
+    return Parsed(body, prompts, batch, stream, _model(body), from_text=text is not None,
+                  samples=samples)
 
 
 def parse_completion(body: dict[str, Any], max_tokens: int, limit: Limit | None = None,
@@ -219,9 +224,10 @@ def parse_completion(body: dict[str, Any], max_tokens: int, limit: Limit | None 
         batch = len(prompts) if len(prompts) > 1 else None
     else:
         prompts = [_ids(prompt, "prompt", limit)]
-    _openai_common(body, max_tokens)
+    samples = _openai_common(body, max_tokens)
     stream = _flag(body, "stream")
-    return Parsed(body, prompts, batch, stream, _model(body), from_text=text)
+    return Parsed(body, prompts, batch, stream, _model(body), from_text=text,
+                  samples=samples)
 
 
 def parse_chat(body: dict[str, Any], max_tokens: int, limit: Limit | None = None,
@@ -232,24 +238,33 @@ def parse_chat(body: dict[str, Any], max_tokens: int, limit: Limit | None = None
     if not isinstance(messages, list):
         raise BadRequest("messages", f"must be a list, got {type(messages).__name__}")
     prompts = [_chat(body, messages, limit, tok)]
-    _openai_common(body, max_tokens)
-    return Parsed(body, prompts, None, _flag(body, "stream"), _model(body), from_text=True)
+    samples = _openai_common(body, max_tokens)
+    return Parsed(body, prompts, None, _flag(body, "stream"), _model(body), from_text=True,
+                  samples=samples)
 
 
-def _openai_common(body: dict[str, Any], max_tokens: int) -> None:
+def _openai_common(body: dict[str, Any], max_tokens: int) -> tuple[str, int] | None:
     for key in ("max_tokens", "max_completion_tokens"):
         _count(body, key, max_tokens)
-    _one_sample(body.get("n"), "n")
+    return _samples(body.get("n"), "n")
 
 
-def _one_sample(n: Any, field: str) -> None:
+def _samples(n: Any, field: str) -> tuple[str, int] | None:
+    """(``field``, n) when ``n`` asks for more than one sample (only a worker that serves the
+    request whole takes it: ``several_samples``), None for one; BadRequest unless a positive
+    integer."""
     if n is None or n.__class__ is int and n == 1:
-        return
+        return None
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise BadRequest(field, f"must be a positive integer, got {n!r}")
+    return field, n
+
+
+def several_samples(field: str, n: int) -> BadRequest:
+    """The refusal of ``n`` > 1 samples where only PD pairs serve."""
     # One bootstrap room is one prefill's KV for one decode: n samples would need n rooms,
     # and sglang's PD engines refuse n > 1 too.
-    raise BadRequest(field, f"must be 1 (got {n}): prefill/decode disaggregation runs one "
+    return BadRequest(field, f"must be 1 (got {n}): prefill/decode disaggregation runs one "
                             "sample per prompt; send the prompt n times instead")
 
 

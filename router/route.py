@@ -25,7 +25,7 @@ def route_context(parsed: Parsed) -> RouteContext:
     """What the policies look at for ``parsed``: built once per request and kept across its
     retries, so that its prompt is hashed once whatever the number of attempts. Its model is
     the one the parser settled (``Parsed.route_model``)."""
-    return RouteContext(parsed.prompts[0], parsed.route_model, parsed.hashes)
+    return RouteContext(parsed.prompts[0], parsed.route_model, parsed.hashes, parsed.samples)
 
 
 @dataclass(frozen=True)

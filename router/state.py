@@ -21,6 +21,7 @@ from router.index_guards import IndexGuards
 from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.policy import Choice, Policy, RouteContext
+from router.requests import several_samples
 from router.shared_predictions import ShareStats
 from router.tokenizers import Tokenizers
 from router.workers import AGGREGATED, DECODE, PREFILL, Worker, WorkerPools
@@ -260,6 +261,10 @@ class RouterState:
         it (NoRoom when none has: the request waits, router/capacity.py)."""
         t0 = time.perf_counter()
         pd, aggregated = self.shapes()
+        if ctx.samples is not None:  # n > 1: one room carries one sample's KV
+            if not aggregated:
+                raise several_samples(*ctx.samples)
+            pd = False
         if aggregated and not pd:
             pair = Pair(self._select_aggregated(ctx, exclude, need, unfit), None)
         elif pd and aggregated:

@@ -137,3 +137,27 @@ async def test_a_decode_that_prefills_locally_serves_short_prompts_whole(
 
 def _lower(headers: dict[str, str]) -> dict[str, str]:
     return {k.lower(): v for k, v in headers.items()}
+
+
+async def test_several_samples_go_to_a_worker_that_serves_them_whole(
+        stubs: Any, start_router: Any, make_router: Any) -> None:
+    """n > 1: a PD pair runs one sample per room, so such a request goes to an aggregated
+    worker whatever its length; with PD pairs only it is a 400 naming the field."""
+    router, prefill, decode, agg = await _mixed(stubs, start_router, disagg_tokens=16)
+    long = _body(40 * BS)
+    long["sampling_params"]["n"] = 3
+    async with router.post("/generate", json=long) as r:
+        assert r.status == 200, await r.text()
+    assert agg.bodies[-1]["sampling_params"]["n"] == 3 and not prefill.bodies
+    async with router.post("/v1/completions", json={"prompt": [1] * 700, "n": 2,
+                                                    "max_tokens": 2}) as r:
+        assert r.status == 200, await r.text()
+    assert agg.bodies[-1]["n"] == 2 and not prefill.bodies
+
+    (p,), (d,) = await stubs("prefill", 1), await stubs("decode", 1)
+    pd_only = await make_router([p], [d])
+    async with pd_only.post("/v1/completions", json={"prompt": [1, 2], "n": 2}) as r:
+        body = await r.json()
+        assert r.status == 400, body
+        assert body["error"]["param"] == "n" and "must be 1" in body["error"]["message"], body
+    assert not p.bodies and not d.bodies
