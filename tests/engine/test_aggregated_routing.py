@@ -69,3 +69,47 @@ async def test_discovered_aggregated_engines_are_routed_on_the_index(
             await app.close()
         for e in engines:
             e.stop()
+
+
+async def test_a_pd_fleet_serves_short_prompts_on_a_decode_prefilling_locally(
+        etcd_endpoint: str, key_prefix: str) -> None:
+    """A real prefill and a real decode registered through etcd (the decode's record says
+    local_prefill) behind a router with --etcd: a short prompt is served whole by the decode
+    (greedy tokens equal the monolithic engine's), a long one by the pair."""
+    from pd_helpers import monolithic
+
+    common = ["--etcd", etcd_endpoint, "--etcd-prefix", key_prefix]
+    procs = [Proc("prefill", *common, "--instance-id", "p-0"),
+             Proc("decode", *common, "--instance-id", "d-0")]
+    app = None
+    try:
+        for p in procs:
+            p.wait_ready()
+        cfg = RouterConfig(etcd=EtcdSettings(endpoints=[etcd_endpoint]), etcd_prefix=key_prefix,
+                           model="tiny", tokenizers={None: "byte"}, explain_routes=True,
+                           disagg_tokens=128, retry_initial_backoff=0.005)
+        app = create_app(cfg)
+        port = await app.start("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}"
+        short = [256, *range(40, 40 + 3 * 16)]
+        long = [256, *(40 + i % 150 for i in range(40 * 16))]
+        want = monolithic([short, long], [4, 4])
+        async with aiohttp.ClientSession() as s:
+            async def ready() -> bool:
+                async with s.get(url + "/readiness") as r:
+                    return r.status == 200
+            await wait_until(ready, what="the router found the pair", timeout=30.0,
+                             interval=0.1)
+            for ids, path, tokens in ((short, "aggregated", want[0]), (long, "pd", want[1])):
+                async with s.post(url + "/generate", json=_body(ids)) as r:
+                    assert r.status == 200, await r.text()
+                    route = json.loads(r.headers["x-kvatlas-route"])
+                    assert (await r.json())["output_ids"] == tokens, route
+                assert route["disaggregation"]["path"] == path, route
+                if path == "aggregated":
+                    assert route["worker"] == "d-0", route
+    finally:
+        if app is not None:
+            await app.close()
+        for p in procs:
+            p.stop()
