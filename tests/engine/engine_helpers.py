@@ -50,3 +50,21 @@ async def wait_until(cond: Callable[[], bool], what: str, timeout: float = 30.0)
     """Poll ``cond`` (a state of the engine, read between its steps) until it holds: the shared
     ``waiting.wait_until``, polled often (the engine's steps are short)."""
     await waiting.wait_until(cond, what=what, timeout=timeout, interval=0.01)
+
+
+async def wait_indexed(etcd: Any, layout: Any, instance: str, ids: list[int],
+                       model: str = "tiny") -> set[int]:
+    """Until the block index shows ``instance`` holding every full block of ``ids`` (the
+    base namespace's hashes, 16-token blocks); the hashes waited for."""
+    from index.hashing import BASE_SEED, block_hashes
+    from index.segments import held_blocks
+
+    want = set(block_hashes(ids, 16, BASE_SEED))
+    assert len(want) >= 2, "a prompt of fewer than two full blocks proves little"
+
+    async def indexed() -> bool:
+        _, kvs = await etcd.get_prefix(layout.blocks_prefix(model, instance))
+        return set(held_blocks(kv.value for kv in kvs)) >= want
+    await waiting.wait_until(indexed, what=f"the prompt's blocks are indexed under {instance}",
+                             timeout=20.0, interval=0.2)
+    return want

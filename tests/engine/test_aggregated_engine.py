@@ -6,6 +6,7 @@ from __future__ import annotations
 import aiohttp
 import aiohttp.web
 import pytest
+from engine_helpers import wait_indexed
 from pd_procs import Proc
 from waiting import wait_until
 
@@ -15,10 +16,8 @@ from engine.server import create_app
 from index.access import ClusterAccess
 from index.errors import InstanceIdInUse
 from index.etcd import EtcdClient, EtcdSettings
-from index.hashing import BASE_SEED, block_hashes
 from index.keys import KeyLayout
 from index.record import AGGREGATED, InstanceRecord
-from index.segments import held_blocks
 from kvatlas.etcd_proc import free_port
 
 pytestmark = pytest.mark.timeout(90)
@@ -53,14 +52,7 @@ async def test_aggregated_engine_registers_indexes_and_leaves(
             body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}}
             async with s.post(engine.url + "/generate", json=body) as resp:
                 assert resp.status == 200, await resp.text()
-        want = set(block_hashes(ids, 16, BASE_SEED))
-        assert len(want) >= 2
-
-        async def indexed() -> bool:
-            _, kvs = await etcd.get_prefix(layout.blocks_prefix("tiny", "agg-a"))
-            return set(held_blocks(kv.value for kv in kvs)) >= want
-        await wait_until(indexed, what="the prompt's blocks are indexed under agg-a",
-                         timeout=20.0, interval=0.2)
+        await wait_indexed(etcd, layout, "agg-a", ids)
         record_kv = await etcd.get(layout.instance("agg-a"))
         _, segments = await etcd.get_prefix(layout.blocks_prefix("tiny", "agg-a"))
         assert record_kv is not None

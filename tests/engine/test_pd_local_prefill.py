@@ -12,9 +12,9 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from engine_helpers import wait_indexed
 from pd_helpers import Pair, dual, monolithic, pair, pd_body, pd_config  # noqa: F401 (fixture)
 from pd_procs import Proc
-from waiting import wait_until
 
 from engine.pd.decode import create_decode_app
 from engine.pd.local import PREFILL_HEADER
@@ -182,14 +182,7 @@ async def test_with_etcd_the_locally_prefilled_blocks_are_indexed_under_the_deco
             (ps, pbody), (ds, dbody) = await dual(s, prefill.url, decode.url,
                                                   pd_body(pd_ids, 4, prefill.bport))
             assert ps == 200 and ds == 200 and dbody["output_ids"] == want_pd, (pbody, dbody)
-        want = set(block_hashes(ids, 16, BASE_SEED))
-        assert len(want) >= 2
-
-        async def indexed() -> bool:
-            _, kvs = await etcd.get_prefix(layout.blocks_prefix("tiny", "dec-l"))
-            return set(held_blocks(kv.value for kv in kvs)) >= want
-        await wait_until(indexed, what="the locally prefilled blocks are indexed under dec-l",
-                         timeout=20.0, interval=0.2)
+        await wait_indexed(etcd, layout, "dec-l", ids)
         _, segments = await etcd.get_prefix(layout.blocks_prefix("tiny", "dec-l"))
         # the transferred prompt is not the decode's: only the prefill holds it
         assert not set(held_blocks(kv.value for kv in segments)) & set(
