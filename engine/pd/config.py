@@ -72,12 +72,13 @@ class PDConfig:
     advertise_host: str | None = None
     """The host peers dial: the etcd record's ``url``, the bootstrap address and the ranks'
     ``rank_ip``. Default: ``--host``, or this machine's name when ``--host`` is a wildcard."""
-    local_prefill: bool = True
-    """Decode: serve whole a request that carries ``X-Kvatlas-Prefill: local`` and no bootstrap
-    fields (prefill it here, through the monolithic engine's scheduler path, with a prefix
-    cache of its own whose blocks are indexed under this decode's lease). False
-    (``--no-local-prefill``): such a request is a 400, the decode has no prefix cache, and its
-    record says ``local_prefill: false``."""
+    local_prefill: bool = False
+    """Decode (``--local-prefill``): serve whole a request that carries ``X-Kvatlas-Prefill:
+    local`` and no bootstrap fields (prefill it here, through the monolithic engine's scheduler
+    path, with a prefix cache of its own whose blocks are indexed under this decode's lease),
+    and say so in the record, so routers may send it short prompts whole. Off by default: a PD
+    fleet stays disaggregated for every request unless its operator opts in. Off: such a request
+    is a 400, the decode has no prefix cache, and its record says ``local_prefill: false``."""
     access: ClusterAccess = field(init=False, repr=False, compare=False)
     """``etcd``, ``etcd_prefix``, ``index_etcd`` and ``lease_ttl`` as one checked
     ``ClusterAccess``."""
@@ -115,8 +116,8 @@ class PDConfig:
             raise ValueError("--auth-token must be non-empty without whitespace; omit it (and "
                              f"{AUTH_TOKEN_ENV}) to turn bootstrap auth off")
         check_advertise_host(self.advertise_host)
-        if not self.local_prefill and self.engine.mode != "decode":
-            raise ValueError("--no-local-prefill applies to decode instances (a prefill never "
+        if self.local_prefill and self.engine.mode != "decode":
+            raise ValueError("--local-prefill applies to decode instances (a prefill never "
                              "serves a request whole)")
         if self.engine.kv_events is not None:
             # Standalone, as SGLang runs: the instance publishes its KV events and a sidecar
@@ -174,9 +175,10 @@ class PDConfig:
         g.add_argument("--advertise-host", default=None,
                        help="host peers dial (etcd url, bootstrap host, rank_ip); default: "
                             "--host, or this machine's name when --host is a wildcard")
-        g.add_argument("--no-local-prefill", dest="local_prefill", action="store_false",
-                       help="decode: refuse requests with X-Kvatlas-Prefill: local (by "
-                            "default the decode prefills such a request itself)")
+        g.add_argument("--local-prefill", action="store_true",
+                       help="decode: prefill a request itself when a router asks "
+                            "(X-Kvatlas-Prefill: local), so short prompts can be served whole "
+                            "(default: refused, every request disaggregated)")
         TransferConfig.add_cli_args(parser)
 
     @classmethod
@@ -195,4 +197,4 @@ class PDConfig:
                    auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
                    advertise_host=args.advertise_host,
                    index_etcd=access.index_shards,
-                   local_prefill=getattr(args, "local_prefill", True))
+                   local_prefill=getattr(args, "local_prefill", False))

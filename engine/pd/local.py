@@ -27,7 +27,7 @@ async def wants_local_prefill(request: web.Request, cfg: PDConfig) -> bool:
     local`` and no bootstrap fields, False without the header (a PD request, checked as
     before). BadRequest for any other value, for the header with bootstrap fields (a request
     is prefilled here or fetched from a prefill, not both), and for the header on a decode
-    started with ``--no-local-prefill``."""
+    started without ``--local-prefill``."""
     value = request.headers.get(PREFILL_HEADER)
     if value is None:
         return False
@@ -35,7 +35,7 @@ async def wants_local_prefill(request: web.Request, cfg: PDConfig) -> bool:
         raise BadRequest(PREFILL_HEADER, f"the only value is {LOCAL!r}, got {value!r}")
     if not cfg.local_prefill:
         raise BadRequest(PREFILL_HEADER, f"{PREFILL_HEADER}: {LOCAL} is refused: this decode "
-                         "runs with --no-local-prefill; send the request with bootstrap fields "
+                         "runs without --local-prefill; send the request with bootstrap fields "
                          "(through a PD router) or to a decode that prefills locally")
     body = await read_body(request)  # aiohttp keeps the bytes: the handler reads them again
     given = [k for k in BOOTSTRAP_FIELDS if body.get(k) is not None]

@@ -1,7 +1,7 @@
 """``kvatlas engine serve``: run one engine worker: monolithic (with ``--etcd``: registered as an
 ``aggregated`` instance, ``engine.aggregated``), or one half of a prefill/decode pair
 (``--mode prefill|decode``, one process per rank; a decode also serves whole a request sent with
-``X-Kvatlas-Prefill: local`` unless ``--no-local-prefill``: ``engine.pd.local``)."""
+``X-Kvatlas-Prefill: local`` with ``--local-prefill``: ``engine.pd.local``)."""
 from __future__ import annotations
 
 import argparse

@@ -73,14 +73,15 @@ async def test_discovered_aggregated_engines_are_routed_on_the_index(
 
 async def test_a_pd_fleet_serves_short_prompts_on_a_decode_prefilling_locally(
         etcd_endpoint: str, key_prefix: str) -> None:
-    """A real prefill and a real decode registered through etcd (the decode's record says
-    local_prefill) behind a router with --etcd: a short prompt is served whole by the decode
-    (greedy tokens equal the monolithic engine's), a long one by the pair."""
+    """A real prefill and a real decode registered through etcd (the decode, started with
+    --local-prefill, says local_prefill in its record) behind a router with --etcd: a short
+    prompt is served whole by the decode (greedy tokens equal the monolithic engine's), a long
+    one by the pair."""
     from pd_helpers import monolithic
 
     common = ["--etcd", etcd_endpoint, "--etcd-prefix", key_prefix]
     procs = [Proc("prefill", *common, "--instance-id", "p-0"),
-             Proc("decode", *common, "--instance-id", "d-0")]
+             Proc("decode", *common, "--instance-id", "d-0", "--local-prefill")]
     app = None
     try:
         for p in procs:

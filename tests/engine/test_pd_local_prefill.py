@@ -1,7 +1,7 @@
 """A decode asked (``X-Kvatlas-Prefill: local``, no bootstrap fields) prefills a request itself:
 its output equals the monolithic engine's, a later turn hits the decode's own prefix cache, PD
 requests on the same decode are served as before, the header is refused with bootstrap fields
-and on a decode started with --no-local-prefill, and with etcd the decode's record says
+and on a decode started without --local-prefill, and with etcd the decode's record says
 ``local_prefill`` and its locally prefilled blocks are indexed under its lease."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 from engine_helpers import wait_indexed
-from pd_helpers import Pair, dual, monolithic, pair, pd_body, pd_config  # noqa: F401 (fixture)
+from pd_helpers import Pair, dual, monolithic, pd_body, pd_config, start_pair
 from pd_procs import Proc
 
 from engine.pd.decode import create_decode_app
@@ -29,6 +29,17 @@ from index.segments import held_blocks
 pytestmark = pytest.mark.timeout(90)
 
 LOCAL = {PREFILL_HEADER: "local"}
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    """An in-process PD pair whose decode was started with --local-prefill."""
+    p = await start_pair(decode_over={"local_prefill": True})
+    try:
+        yield p
+    finally:
+        await p.decode.close()
+        await p.prefill.close()
 
 
 def local_body(ids: list[int], max_new: int, stream: bool = False) -> dict[str, Any]:
@@ -145,18 +156,19 @@ async def test_no_local_prefill_refuses_the_header(no_local_decode: TestServer) 
     url = str(no_local_decode.make_url("/generate"))
     async with aiohttp.ClientSession() as s:
         st, doc = await post(s, url, local_body([256, 1, 2, 3], 2), LOCAL)
-    assert st == 400 and "--no-local-prefill" in doc["error"], doc
+    assert st == 400 and "--local-prefill" in doc["error"], doc
 
 
 def test_the_record_says_whether_the_decode_prefills_locally() -> None:
     info = RankInfo(0, 1, 1, 1)
-    on = decode_record(pd_config("decode", instance_id="dec-on"), info)
+    on = decode_record(pd_config("decode", instance_id="dec-on", local_prefill=True), info)
     off = decode_record(pd_config("decode", instance_id="dec-off", local_prefill=False), info)
     assert on.local_prefill is True and on.block_size == 16
     assert off.local_prefill is False
     assert InstanceRecord.from_json(on.to_json()).local_prefill is True
+    assert pd_config("decode").local_prefill is False  # opt-in: PD fleets stay disaggregated
     with pytest.raises(ValueError, match="decode instances"):
-        pd_config("prefill", local_prefill=False)
+        pd_config("prefill", local_prefill=True)
 
 
 async def test_with_etcd_the_locally_prefilled_blocks_are_indexed_under_the_decode(
@@ -164,7 +176,7 @@ async def test_with_etcd_the_locally_prefilled_blocks_are_indexed_under_the_deco
     layout = KeyLayout(prefix=key_prefix)
     common = ["--etcd", etcd_endpoint, "--etcd-prefix", key_prefix, "--lease-ttl", "30"]
     prefill = Proc("prefill", *common, "--instance-id", "pre-l")
-    decode = Proc("decode", *common, "--instance-id", "dec-l")
+    decode = Proc("decode", *common, "--instance-id", "dec-l", "--local-prefill")
     try:
         prefill.wait_ready()
         decode.wait_ready()
@@ -199,7 +211,7 @@ async def test_with_etcd_the_locally_prefilled_blocks_are_indexed_under_the_deco
 async def test_a_tp2_decode_prefills_locally_with_its_ranks_in_lockstep() -> None:
     """Every TP rank replicates the local request and its cache hit (the scheduler's ``add``),
     so the sharded forward still equals the monolithic output on a second turn."""
-    decode = Proc("decode", "--tp", "2")
+    decode = Proc("decode", "--tp", "2", "--local-prefill")
     try:
         decode.wait_ready()
         base = [256, *b"a tensor-parallel decode prefilling a prompt of two pages"]
