@@ -266,6 +266,9 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         if self.paused and self.transport is not None:
             self.paused = False
+            # The worker's silence counts from now: while paused it waited on our client, and
+            # a watchdog pass right after the resume must not blame it for that pause.
+            self.last_read = self.loop.time()
             self.transport.resume_reading()
         return data
 
