@@ -28,7 +28,7 @@ from engine.registration import (
     served_fields,
 )
 from engine.serve_config import EngineServerConfig
-from index.access import DEFAULT_LEASE_TTL, ClusterAccess
+from index.access import ClusterAccess
 from index.events.types import KVEvent
 from index.keys import validate_instance_id
 from index.record import AGGREGATED, InstanceRecord
@@ -77,8 +77,7 @@ class AggregatedConfig:
     def from_cli_args(cls, args: argparse.Namespace, engine: EngineServerConfig
                       ) -> AggregatedConfig | None:
         """From the flags; None without ``--etcd`` (the engine serves alone, as before)."""
-        access = ClusterAccess.from_cli_args(
-            args, optional=True, lease_ttl=getattr(args, "lease_ttl", DEFAULT_LEASE_TTL))
+        access = ClusterAccess.from_cli_args(args, optional=True, lease_ttl=args.lease_ttl)
         if access.etcd is None:
             return None
         return cls(engine=engine, access=access, instance_id=args.instance_id,

@@ -124,6 +124,9 @@ class KvAware(Policy):
         self.tier_lookup = tier_lookup
         """Optional: the index's match by tier; without it every index block is a device one."""
         self.weights = config.tier_weights
+        self._gated = (config.cache_threshold is not None
+                       or config.balance_abs_threshold is not None)
+        """sglang-router's thresholds are set (``_gate``): off, a decision never reads them."""
         self.index_version = index_version
         """Optional: a value that changes whenever ``lookup``'s answers may change. With it, a
         prediction found unconfirmed is not asked about again until the index changes."""
@@ -207,7 +210,7 @@ class KvAware(Policy):
                 top = m
             scored.append(_score(Score, ((n - credited) * weight + load, w.load, m, w, load,
                                          m_index, m_pred, tier, credited)))
-        gated = self._gate(scored, n, top) if len(scored) > 1 else None
+        gated = self._gate(scored, n, top) if self._gated and len(scored) > 1 else None
         if gated is not None:
             pick = gated
         elif cfg.temperature > 0 and len(scored) > 1:

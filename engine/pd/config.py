@@ -197,4 +197,4 @@ class PDConfig:
                    auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
                    advertise_host=args.advertise_host,
                    index_etcd=access.index_shards,
-                   local_prefill=getattr(args, "local_prefill", False))
+                   local_prefill=args.local_prefill)
