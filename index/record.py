@@ -33,6 +33,7 @@ from typing import Any
 from index.errors import RecordError
 from index.hashing import BASE_SEED, namespace_seed
 from index.keys import dumps, validate_instance_id
+from index.pd_protocol import SGLANG_BOOTSTRAP, PDProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "max_running_requests": _opt(_int()),
     "max_total_num_tokens": _opt(_int()),
     "local_prefill": _with_default(_bool, False),
+    "pd_protocol": PDProtocol.from_dict,
 }
 
 
@@ -255,6 +257,9 @@ class InstanceRecord:
     """A decode that also prefills a request itself, from its own prefix cache, when a router
     sends it one with ``X-Kvatlas-Prefill: local`` and no bootstrap fields (its blocks are then
     indexed under its lease): a router may serve a short prompt there whole."""
+    pd_protocol: PDProtocol = SGLANG_BOOTSTRAP
+    """A prefill's or decode's PD protocol (``index.pd_protocol``): SGLang's bootstrap (JSON
+    null) or vLLM's ``kv_transfer_params`` in pull or push mode, with a push prefill's identity."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Fields this version does not know; written back unchanged."""
 
@@ -264,6 +269,8 @@ class InstanceRecord:
         for name, check in (("role", _role), *_CHECKS.items()):
             value = getattr(self, name)
             if name == "hash_namespace" and (value is None or isinstance(value, HashNamespace)):
+                continue
+            if name == "pd_protocol" and isinstance(value, PDProtocol):
                 continue
             try:
                 # Stores the checked form: null in a defaulted field becomes the default.
@@ -281,7 +288,7 @@ class InstanceRecord:
         doc: dict[str, Any] = dict(self.extra)
         for f in _FIELDS:
             value = getattr(self, f)
-            if isinstance(value, HashNamespace):
+            if isinstance(value, (HashNamespace, PDProtocol)):
                 value = value.to_dict()
             doc[f] = value
         doc["v"] = RECORD_VERSION
