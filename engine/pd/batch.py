@@ -63,10 +63,13 @@ async def read_pd_items(request: web.Request) -> tuple[list[PDItem], bool]:
     return items, True
 
 
-async def read_openai_item(request: web.Request, chat: bool) -> tuple[PDItem, bool]:
-    """(the item, whether its stream wants a usage chunk) of a PD OpenAI request."""
+async def read_openai_item(request: web.Request, chat: bool,
+                           boot_of: Callable[[dict[str, Any]], Bootstrap] = bootstrap_fields
+                           ) -> tuple[PDItem, bool]:
+    """(the item, whether its stream wants a usage chunk) of a PD OpenAI request; ``boot_of``
+    reads the transfer's bootstrap from the body (SGLang's fields, or vLLM's params)."""
     body = await read_body(request)
-    boot = bootstrap_fields(body)
+    boot = boot_of(body)
     st = state(request)
     gen, stream = (parse_chat if chat else parse_completion)(body, st.model, st.tokenizer)
     check_model(body, st.config.model_names)

@@ -7,6 +7,7 @@ import os
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from bootstrap.config import AUTH_TOKEN_ENV, DEFAULT_PORT
 from engine.registration import check_advertise_host, public_host
@@ -14,6 +15,7 @@ from engine.serve_config import EngineServerConfig
 from index.access import DEFAULT_LEASE_TTL, ClusterAccess
 from index.etcd import EtcdSettings
 from index.keys import DEFAULT_PREFIX, validate_instance_id
+from index.pd_protocol import CHOICES, SGLANG_BOOTSTRAP, PDProtocol
 from index.shards import IndexShards
 from transfer import BACKENDS, TransferConfig
 from transfer.layout import DTYPES
@@ -79,6 +81,14 @@ class PDConfig:
     and say so in the record, so routers may send it short prompts whole. Off by default: a PD
     fleet stays disaggregated for every request unless its operator opts in. Off: such a request
     is a 400, the decode has no prefix cache, and its record says ``local_prefill: false``."""
+    pd_protocol: PDProtocol = SGLANG_BOOTSTRAP
+    """How routers drive the pair (``--pd-protocol``): SGLang's bootstrap fields (``sglang``, the
+    default) or vLLM's ``kv_transfer_params`` (``vllm-pull``, ``vllm`` for short, or
+    ``vllm-push``). A prefill in vLLM mode still serves bootstrap requests; a decode serves only
+    its own protocol's. Said in the etcd record (``pd_protocol``)."""
+    kv_lease_s: float = 30.0
+    """vLLM pull prefill: seconds it holds a request's KV pages after answering, waiting for the
+    decode to fetch them (vLLM's ``kv_lease_duration``); then they are released."""
     access: ClusterAccess = field(init=False, repr=False, compare=False)
     """``etcd``, ``etcd_prefix``, ``index_etcd`` and ``lease_ttl`` as one checked
     ``ClusterAccess``."""
@@ -129,6 +139,12 @@ class PDConfig:
                 raise ValueError("--kv-events and --etcd exclude each other: with --etcd the "
                                  "prefill indexes its own blocks in etcd; --kv-events publishes "
                                  "them for a sidecar (kvatlas sidecar) and needs no etcd")
+        if self.kv_lease_s <= 0:
+            raise ValueError(f"--kv-lease must be > 0 seconds, got {self.kv_lease_s}")
+        if self.pd_protocol.name != "sglang" and self.dp != 1:
+            # a DP forward would lose the X-Request-Id both halves derive the room from
+            raise ValueError("--pd-protocol vllm takes --dp 1; run more prefill instances "
+                             "instead")
         if self.instance_id is None:
             self.instance_id = f"{self.engine.mode}-{uuid.uuid4().hex[:8]}"
         validate_instance_id(self.instance_id)
@@ -146,6 +162,18 @@ class PDConfig:
     def public_host(self) -> str:
         """The host peers dial (see ``advertise_host``)."""
         return public_host(self.engine.host, self.advertise_host)
+
+    def protocol_fields(self, bootstrap_port: int, tp_size: int) -> dict[str, Any]:
+        """The etcd record's ``pd_protocol`` (none for SGLang's bootstrap: the record's default).
+        A vLLM prefill names itself as a push router must know it in advance: its instance id,
+        and its bootstrap server, where decodes find its transfer ranks."""
+        p = self.pd_protocol
+        if p.name == "sglang":
+            return {}
+        if self.mode == "prefill":
+            p = PDProtocol(p.name, p.mode, engine_id=self.instance_id, host=self.public_host,
+                           port=bootstrap_port, tp_size=tp_size)
+        return {"pd_protocol": p.to_dict()}
 
     @property
     def world_size(self) -> int:
@@ -179,6 +207,11 @@ class PDConfig:
                        help="decode: prefill a request itself when a router asks "
                             "(X-Kvatlas-Prefill: local), so short prompts can be served whole "
                             "(default: refused, every request disaggregated)")
+        g.add_argument("--pd-protocol", default="sglang", choices=CHOICES,
+                       help="how routers drive the pair: SGLang's bootstrap fields (sglang) or "
+                            "vLLM's kv_transfer_params (vllm = vllm-pull, vllm-push)")
+        g.add_argument("--kv-lease", type=float, default=30.0, dest="kv_lease_s",
+                       help="vLLM pull prefill: seconds the KV is held for its decode")
         TransferConfig.add_cli_args(parser)
 
     @classmethod
@@ -197,4 +230,5 @@ class PDConfig:
                    auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
                    advertise_host=args.advertise_host,
                    index_etcd=access.index_shards,
-                   local_prefill=args.local_prefill)
+                   local_prefill=args.local_prefill,
+                   pd_protocol=PDProtocol.parse(args.pd_protocol), kv_lease_s=args.kv_lease_s)

@@ -37,6 +37,7 @@ from engine.pd.registration_decode import DecodeRecord
 from engine.pd.restarts import PrefillRestarts
 from engine.pd.rooms import RoomLog, RoomRecord
 from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, start_engine
+from engine.pd.vllm_params import decode_boot_of, engine_rid
 from engine.ranks.replica import ReplicatedScheduler
 from engine.ranks.uplink import UplinkServer
 from engine.registration import index_blocks, served_fields
@@ -99,9 +100,12 @@ async def serve_openai(request: web.Request, chat: bool) -> web.StreamResponse:
     ds = request.app[DECODE_KEY]
     if await wants_local_prefill(request, ds.cfg):
         return await (openai_api.chat_completions if chat else openai_api.completions)(request)
-    item, with_usage = await read_openai_item(request, chat)
+    proto = ds.cfg.pd_protocol
+    item, with_usage = await read_openai_item(request, chat, decode_boot_of(proto))
     check_item(ds, item)
-    rids = item_ids([item], lambda: openai_api.openai_rid(chat))
+    # vLLM's pairing names the request after X-Request-Id, as the prefill named its own
+    rids = item_ids([item], (lambda: engine_rid(request, chat)) if proto.name == "vllm"
+                    else lambda: openai_api.openai_rid(chat))
 
     async def answer(req: Request, pages: list[int], result: ReceiveResult,
                      started: float) -> web.StreamResponse:

@@ -33,7 +33,7 @@ from bootstrap.server import create_app as create_bootstrap_app
 from engine import server as mono
 from engine.errors import BadRequest, CapacityError
 from engine.http_common import json_error, until_disconnected
-from engine.pd.batch import PDItem, answer_batch, item_ids, read_openai_item, read_pd_items
+from engine.pd.batch import PDItem, answer_batch, item_ids, read_pd_items
 from engine.pd.common import Bootstrap, start_group_leader, worker_app
 from engine.pd.config import PDConfig
 from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, rank_route, start_engine
@@ -65,11 +65,14 @@ class PrefillState:
     bootstrap: BootstrapClient | None = None
     rr: Any = field(default_factory=lambda: itertools.count())
     stats: dict[str, int] = field(default_factory=lambda: {"sent": 0, "failed": 0,
-                                                           "forwarded": 0})
+                                                           "forwarded": 0, "expired": 0})
     sending: set[int] = field(default_factory=set)
     """Rooms whose KV every TP rank was told to send and whose send has not ended here."""
     awaiting_decode: set[int] = field(default_factory=set)
     """Rooms admitted here that wait, holding no page, for their decode to ask for them."""
+    leases: set[asyncio.Task[None]] = field(default_factory=set)
+    """vLLM pull: the tasks holding answered requests' pages for their decodes
+    (``prefill_vllm.hold_for_decode``)."""
 
 
 PREFILL_KEY = web.AppKey("pd_prefill", PrefillState)
@@ -81,17 +84,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
     for item in items:  # all refused before any starts (a prefill keeps the prompt's KV only)
         ps.engine.scheduler.check_fits(len(item.gen.prompt), 1)
     return await prefill_items(request, items, batch)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    """OpenAI requests prefill exactly as /generate ones; the router reads only the status."""
-    item, _ = await read_openai_item(request, chat=False)
-    return await prefill_items(request, [item], False)
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    item, _ = await read_openai_item(request, chat=True)
-    return await prefill_items(request, [item], False)
 
 
 async def prefill_items(request: web.Request, items: list[PDItem], batch: bool
@@ -340,8 +332,16 @@ async def start_prefill(app: web.Application, stack: contextlib.AsyncExitStack) 
     await start_engine(app, stack, cfg, engine, replica, "prefill")
     # At a stop the sender closes first, failing the rooms still open, before the engine stops.
     stack.push_async_callback(close_sender)
+    # Before that, the pull leases end: their pages go back while the engine still runs.
+    stack.push_async_callback(end_leases, ps)
     logger.info("prefill %s rank %s ready: KV sender %s, bootstrap %s:%d", cfg.instance_id,
              info.name, sender.endpoint, cfg.engine.host, bport)
+
+
+async def end_leases(ps: PrefillState) -> None:
+    for task in list(ps.leases):
+        task.cancel()
+    await asyncio.gather(*ps.leases, return_exceptions=True)
 
 
 async def start_publisher(stack: contextlib.AsyncExitStack, config: PublisherConfig) -> Any:
@@ -367,7 +367,8 @@ async def start_bootstrap(cfg: PDConfig, ranks: RankContext, bport: int,
                            etcd_prefix=cfg.etcd_prefix, lease_ttl=cfg.lease_ttl,
                            read_timeout_s=cfg.engine.read_timeout_s,
                            instance_fields={"url": url, "tp_size": info.tp_size,
-                                            "dp_size": info.dp_size, **(served or {})})
+                                            "dp_size": info.dp_size, **(served or {}),
+                                            **cfg.protocol_fields(bport, info.tp_size)})
     bapp = create_bootstrap_app(bcfg)
     boot_runner = make_runner(bapp, access_log=None)
     stack.push_async_callback(boot_runner.cleanup)
@@ -393,6 +394,10 @@ async def start_bootstrap(cfg: PDConfig, ranks: RankContext, bport: int,
 
 
 def create_prefill_app(cfg: PDConfig, ranks: RankContext | None = None) -> web.Application:
+    # OpenAI requests (SGLang's bootstrap or vLLM's params) are served beside this module's
+    # flow, which they reuse; imported here, as that module imports this one
+    from engine.pd.prefill_vllm import chat_completions, completions
+
     app = worker_app(cfg, prefill_ctx, generate)
     app[CFG_KEY] = cfg
     app[RANKS_KEY] = ranks or RankContext()

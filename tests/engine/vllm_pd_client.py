@@ -1,0 +1,56 @@
+"""A minimal client of vLLM's PD wire contract (what a router does), for the vLLM-mode tests:
+pull sends the prefill first and hands its ``kv_transfer_params`` to the decode; push sends both
+at once, naming the prefill in advance."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
+                  "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                  "remote_port": None}
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in body.items()
+           if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
+    out.update(kv_transfer_params=dict(PREFILL_PARAMS), stream=False, max_tokens=1)
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+async def post(session: Any, url: str, body: dict[str, Any], rid: str) -> tuple[int, Any]:
+    async with session.post(url, json=body, headers={"X-Request-Id": rid}) as r:
+        if body.get("stream") and r.status == 200:
+            return r.status, await r.text()
+        return r.status, await r.json()
+
+
+async def pull(session: Any, p_url: str, d_url: str, body: dict[str, Any], chat: bool = False,
+               rid: str | None = None) -> tuple[tuple[int, Any], tuple[int, Any]]:
+    """(prefill's answer, decode's answer) of one request in pull mode."""
+    rid = rid or uuid.uuid4().hex
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    p = await post(session, p_url + path, prefill_body(body), rid)
+    if p[0] != 200:
+        return p, (0, None)
+    d = await post(session, d_url + path, {**body, "kv_transfer_params": p[1][
+        "kv_transfer_params"]}, rid)
+    return p, d
+
+
+async def push(session: Any, p_url: str, d_url: str, body: dict[str, Any], *, engine_id: str,
+               host: str, port: int, tp_size: int, chat: bool = False
+               ) -> tuple[tuple[int, Any], tuple[int, Any]]:
+    """(prefill's answer, decode's answer) of one request in push mode (both at once)."""
+    rid = uuid.uuid4().hex
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    kv = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
+          "remote_host": host, "remote_port": port, "tp_size": tp_size,
+          "remote_request_id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "pp_size": 1}
+    p, d = await asyncio.gather(post(session, p_url + path, prefill_body(body), rid),
+                                post(session, d_url + path, {**body, "kv_transfer_params": kv},
+                                     rid))
+    return p, d
