@@ -23,7 +23,12 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/kvatlas demo
 
-test: $(STAMP)
+# vLLM's PD test proxy: not in its wheel, so fetched from its sdist (checked) into .kvatlas/.
+VLLM_PROXY := .kvatlas/peers/toy_proxy_server.py
+$(VLLM_PROXY): tests/peers/vllm_proxy.py | $(STAMP)
+	$(VENV)/bin/python tests/peers/vllm_proxy.py
+
+test: $(STAMP) $(VLLM_PROXY)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q
 

@@ -1,0 +1,139 @@
+"""vLLM's PD contract on real ``kvatlas engine serve`` processes: greedy output through a pair
+equals monolithic for TP (1,1) and (2,1) in pull and push modes, shared prefixes, many in flight;
+vLLM's own test proxy (``toy_proxy_server.py``, fetched unchanged) drives a pull pair; with etcd
+both records say ``pd_protocol`` (a prefill's with the identity a push router needs)."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import requests_shim as http
+from engine_helpers import shared_prefix_prompts
+from pd_helpers import monolithic
+from pd_procs import ROOT, _env, assert_at_rest, proc_pair
+from vllm_pd_client import pull, push
+from waiting import wait_until
+
+from index.keys import KeyLayout
+from index.record import InstanceRecord
+from kvatlas.etcd_proc import free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def body_of(ids: list[int], n: int, **more: Any) -> dict[str, Any]:
+    return {"prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, **more}
+
+
+def texts_of(want: list[list[int]]) -> list[str]:
+    """The monolithic tokens as the tiny model's tokenizer writes them (OpenAI answers are
+    text)."""
+    from engine.protocol import default_tokenizer
+    tok = default_tokenizer()
+    return [tok.decode(w) for w in want]
+
+
+@pytest.mark.parametrize("mode", ["vllm-pull", "vllm-push"])
+@pytest.mark.parametrize("tp,n,flight", [(1, 30, 10), (2, 100, 40)])
+async def test_pair_equals_monolithic(mode: str, tp: int, n: int, flight: int) -> None:
+    prompts = shared_prefix_prompts(n, seed=7 + tp, n_bases=4, base_len=(20, 60))
+    max_new = [2 + i % 4 for i in range(n)]
+    want = monolithic(prompts, max_new)
+    iid = f"pre-{mode}-{tp}"
+    with proc_pair("--pd-protocol", mode, prefill_extra=("--tp", str(tp), "--instance-id", iid)
+                   ) as (p, d):
+        gate = asyncio.Semaphore(flight)
+        async with aiohttp.ClientSession() as s:
+            async def one(ids: list[int], k: int) -> str:
+                async with gate:
+                    if mode == "vllm-pull":
+                        (ps, pdoc), (ds, ddoc) = await pull(s, p.url, d.url, body_of(ids, k))
+                    else:
+                        (ps, pdoc), (ds, ddoc) = await push(
+                            s, p.url, d.url, body_of(ids, k), engine_id=iid,
+                            host="127.0.0.1", port=p.bport or 0, tp_size=tp)
+                assert ps == 200 and ds == 200, (pdoc, ddoc, p.output(), d.output())
+                assert pdoc["kv_transfer_params"]["tp_size"] == tp
+                return str(ddoc["choices"][0]["text"])
+            got = await asyncio.gather(*(one(ids, k) for ids, k in zip(prompts, max_new)))
+            assert got == texts_of(want)
+            await wait_until(lambda: at_rest(s, p.url, d.url), what="both halves at rest")
+
+
+async def at_rest(s: Any, *urls: str) -> bool:
+    try:
+        await assert_at_rest(s, *urls)
+    except AssertionError:
+        return False
+    return True
+
+
+def load_proxy_fetcher() -> Any:
+    spec = importlib.util.spec_from_file_location("vllm_proxy",
+                                                  ROOT / "tests" / "peers" / "vllm_proxy.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+async def test_vllms_toy_proxy_drives_a_pull_pair() -> None:
+    proxy: Path = load_proxy_fetcher().fetch()  # make test fetches it; never skipped
+    prompts = shared_prefix_prompts(8, seed=33, n_bases=2, base_len=(20, 40))
+    want = monolithic(prompts, [4] * len(prompts))
+    with proc_pair("--pd-protocol", "vllm") as (p, d):
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, str(proxy), "--port", str(port), "--prefiller-hosts", "127.0.0.1",
+             "--prefiller-ports", str(p.port), "--decoder-hosts", "127.0.0.1",
+             "--decoder-ports", str(d.port)], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 60
+            while http.get_status(f"http://127.0.0.1:{port}/healthcheck") != 200:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                assert time.monotonic() < deadline, "the toy proxy never became healthy"
+                time.sleep(0.2)
+            url = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession() as s:
+                async def one(ids: list[int]) -> str:
+                    async with s.post(url + "/v1/completions", json=body_of(ids, 4)) as r:
+                        doc = await r.json(content_type=None)
+                        assert r.status == 200, doc
+                    return str(doc["choices"][0]["text"])
+                got = await asyncio.gather(*(one(ids) for ids in prompts))
+                assert got == texts_of(want)
+                chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                        "temperature": 0, "stream": True}
+                async with s.post(url + "/v1/chat/completions", json=chat) as r:
+                    raw = await r.text()
+                    assert r.status == 200 and raw.rstrip().endswith("data: [DONE]"), raw
+                await wait_until(lambda: at_rest(s, p.url, d.url), what="both halves at rest")
+        finally:
+            proc.terminate()
+            proc.wait(15)
+
+
+async def test_records_say_pd_protocol(etcd_endpoint: str, key_prefix: str, etcd: Any) -> None:
+    layout = KeyLayout(prefix=key_prefix)
+    flags = ("--pd-protocol", "vllm-push", "--etcd", etcd_endpoint, "--etcd-prefix", key_prefix)
+    with proc_pair(*flags, prefill_extra=("--instance-id", "pre-v", "--tp", "2"),
+                   decode_extra=("--instance-id", "dec-v")) as (p, d):
+        async def both() -> bool:
+            return all([await etcd.get(layout.instance(i)) for i in ("pre-v", "dec-v")])
+        await wait_until(both, what="both records are in etcd")
+        pre = InstanceRecord.from_json((await etcd.get(layout.instance("pre-v"))).value)
+        dec = InstanceRecord.from_json((await etcd.get(layout.instance("dec-v"))).value)
+        assert pre.pd_protocol.to_dict() == {"name": "vllm", "mode": "push", "engine_id": "pre-v",
+                                             "host": "127.0.0.1", "port": p.bport, "tp_size": 2}
+        assert dec.pd_protocol.to_dict() == {"name": "vllm", "mode": "push", "engine_id": None,
+                                             "host": None, "port": None, "tp_size": None}
+        assert json.loads((await etcd.get(layout.instance("pre-v"))).value)["pd_protocol"]
