@@ -12,6 +12,8 @@ from index.events.endpoints import offset_endpoint
 from index.events.subscriber import SubscriberConfig
 from index.hashing import DEFAULT_BLOCK_SIZE
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_instance_id, validate_model
+from index.pd_protocol import CHOICES as PD_CHOICES
+from index.pd_protocol import PUSH, SGLANG_BOOTSTRAP, PDProtocol
 from index.record import AGGREGATED, DECODE, PREFILL
 from index.shards import IndexShards
 
@@ -19,7 +21,9 @@ ROLES = (PREFILL, DECODE, AGGREGATED)
 SGLANG, VLLM = "sglang", "vllm"
 ENGINES = (SGLANG, VLLM)
 """What the sidecar can stand beside: SGLang (``/get_server_info``, bootstrap server for PD) or
-vLLM (``/v1/models``; whole requests only: kvatlas's router does not speak vLLM's own PD)."""
+vLLM (``/v1/models``; PD through its NixlConnector's ``kv_transfer_params``)."""
+NIXL_PORT = 5600
+"""vLLM's default ``VLLM_NIXL_SIDE_CHANNEL_PORT``."""
 
 
 def http_base(url: str, flag: str) -> tuple[str, str, int]:
@@ -55,6 +59,22 @@ class SidecarConfig:
     """The engine kind: ``sglang`` or ``vllm`` (how it is probed, what the record says)."""
     bootstrap_url: str | None = None
     """Prefill: its SGLang bootstrap server (default: the engine's host, port 8998)."""
+    pd_protocol: PDProtocol | None = None
+    """A PD instance's protocol (``--pd-protocol``): None reads as SGLang's bootstrap for
+    ``--engine sglang`` and vLLM's pull mode for ``--engine vllm``. After ``__post_init__`` a
+    vLLM prefill's carries its NIXL identity (the ``nixl_*`` and ``tp_size`` fields)."""
+    nixl_engine_id: str | None = None
+    """vLLM prefill: its ``kv_transfer_config.engine_id`` (decodes name it as
+    ``remote_engine_id``); required in push mode, since vLLM's default is a fresh uuid per
+    start that no router can know in advance."""
+    nixl_host: str | None = None
+    """vLLM prefill: its NIXL side channel's host (``VLLM_NIXL_SIDE_CHANNEL_HOST``; default:
+    the engine URL's host)."""
+    nixl_port: int | None = None
+    """vLLM prefill: its NIXL side channel's port (``VLLM_NIXL_SIDE_CHANNEL_PORT``; default
+    5600, vLLM's)."""
+    tp_size: int | None = None
+    """vLLM prefill: its tensor-parallel size, which decodes map their ranks onto (default 1)."""
     events: SubscriberConfig | None = None
     """The KV events of attention-DP rank 0 (rank r: port + r); None: not indexed."""
     dp_size: int = 1
@@ -103,10 +123,8 @@ class SidecarConfig:
             raise ValueError(f"--role must be one of {list(ROLES)}, got {self.role!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {list(ENGINES)}, got {self.engine!r}")
-        if self.engine == VLLM and self.role != AGGREGATED:
-            raise ValueError(f"--engine vllm needs --role aggregated, got --role {self.role}: "
-                             "kvatlas's router does not speak vLLM's own prefill/decode protocol")
         self.engine_url, host, _ = http_base(self.engine_url, "--engine-url")
+        self._check_pd_protocol(host)
         if self.role == AGGREGATED:
             # No PD pair: nobody asks a bootstrap server for its ranks.
             if self.bootstrap_url is not None:
@@ -118,7 +136,7 @@ class SidecarConfig:
                                  "server")
             if self.events is not None:
                 raise ValueError("--kv-events is for prefills: a decode's cache is not indexed")
-        elif self.bootstrap_url is None:
+        elif self.bootstrap_url is None and self.engine == SGLANG:
             shown = f"[{host}]" if ":" in host else host
             self.bootstrap_url = f"http://{shown}:{BOOTSTRAP_PORT}"
         if self.bootstrap_url is not None:
@@ -143,6 +161,57 @@ class SidecarConfig:
             self.events = SubscriberConfig(
                 endpoint=self.events.endpoint, replay_endpoint=self.events.replay_endpoint,
                 topic=self.events.topic, connect=self.events.connect, model=self.model)
+
+    def _check_pd_protocol(self, engine_host: str) -> None:
+        """Settle ``pd_protocol`` (with a vLLM prefill's NIXL identity); ValueError naming the
+        flag to change."""
+        nixl = {"--nixl-engine-id": self.nixl_engine_id, "--nixl-host": self.nixl_host,
+                "--nixl-port": self.nixl_port, "--tp-size": self.tp_size}
+        given = [flag for flag, v in nixl.items() if v is not None]
+        if self.engine == SGLANG:
+            if self.pd_protocol not in (None, SGLANG_BOOTSTRAP):
+                raise ValueError(f"--pd-protocol {self.pd_protocol.label} is vLLM's: give "
+                                 "--engine vllm, or leave --pd-protocol out for SGLang")
+            if given:
+                raise ValueError(f"{', '.join(given)}: vLLM prefill flags; SGLang's identity "
+                                 "comes from its bootstrap server (--bootstrap-url)")
+            self.pd_protocol = None
+            return
+        if self.role == AGGREGATED:
+            if self.pd_protocol is not None or given:
+                raise ValueError(f"{', '.join(given) or '--pd-protocol'}: for a vLLM prefill or "
+                                 "decode; an aggregated instance has no PD pair")
+            return
+        if self.bootstrap_url is not None:
+            raise ValueError("--bootstrap-url is SGLang's: a vLLM prefill is reached through "
+                             "its NIXL side channel (--nixl-host, --nixl-port)")
+        proto = self.pd_protocol or PDProtocol("vllm")
+        if proto.name != VLLM:
+            raise ValueError(f"--pd-protocol {proto.label} with --engine vllm: give vllm-pull "
+                             "or vllm-push (as the engine's kv_connector: NixlConnector or "
+                             "NixlPushConnector)")
+        if self.role == DECODE:
+            if given:
+                raise ValueError(f"{', '.join(given)}: for a vLLM prefill (a decode names "
+                                 "its prefill per request; routers read the prefill's record)")
+            self.pd_protocol = PDProtocol(VLLM, proto.mode)
+            return
+        if proto.mode == PUSH and self.nixl_engine_id is None:
+            raise ValueError("--pd-protocol vllm-push needs --nixl-engine-id: the decode names "
+                             "the prefill before it answers, and vLLM's default engine_id is a "
+                             "fresh uuid per start; set one in the prefill's "
+                             "--kv-transfer-config (\"engine_id\") and pass it here")
+        try:
+            self.pd_protocol = PDProtocol(
+                VLLM, proto.mode, engine_id=self.nixl_engine_id,
+                host=self.nixl_host if self.nixl_host is not None else engine_host,
+                port=self.nixl_port if self.nixl_port is not None else NIXL_PORT,
+                tp_size=self.tp_size if self.tp_size is not None else 1)
+        except ValueError as exc:
+            flag = {"engine_id": "--nixl-engine-id", "host": "--nixl-host",
+                    "port": "--nixl-port", "tp_size": "--tp-size"}
+            name = str(exc).split(" ", 1)[0]
+            raise ValueError(f"{flag.get(name, '--pd-protocol')}: {exc}") from None
 
     @property
     def layout(self) -> KeyLayout:
@@ -169,10 +238,25 @@ class SidecarConfig:
                                  "requests)")
         parser.add_argument("--engine", default=SGLANG, choices=ENGINES,
                             help=f"the engine beside the sidecar (default {SGLANG}); vllm: "
-                                 "probed through /health and /v1/models, --role aggregated")
+                                 "probed through /health and /v1/models")
         parser.add_argument("--engine-url", required=True, metavar="URL",
                             help="the engine's HTTP base URL, e.g. http://10.0.0.5:30000")
         parser.add_argument("--model", required=True, help="the model the engine serves")
+        parser.add_argument("--pd-protocol", default=None, choices=PD_CHOICES,
+                            help="vLLM prefill or decode: vllm (= vllm-pull, NixlConnector) or "
+                                 "vllm-push (NixlPushConnector); default: sglang for --engine "
+                                 "sglang, vllm-pull for --engine vllm")
+        parser.add_argument("--nixl-engine-id", default=None, metavar="ID",
+                            help="vLLM prefill: its kv_transfer_config engine_id (required "
+                                 "for vllm-push)")
+        parser.add_argument("--nixl-host", default=None, metavar="HOST",
+                            help="vLLM prefill: VLLM_NIXL_SIDE_CHANNEL_HOST (default: the "
+                                 "engine URL's host)")
+        parser.add_argument("--nixl-port", type=int, default=None, metavar="PORT",
+                            help=f"vLLM prefill: VLLM_NIXL_SIDE_CHANNEL_PORT (default "
+                                 f"{NIXL_PORT})")
+        parser.add_argument("--tp-size", type=int, default=None, metavar="N",
+                            help="vLLM prefill: its tensor-parallel size (default 1)")
         parser.add_argument("--bootstrap-url", default=None, metavar="URL",
                             help="prefill: its SGLang bootstrap server (default: the engine's "
                                  f"host, port {BOOTSTRAP_PORT})")
@@ -229,6 +313,10 @@ class SidecarConfig:
             raise ValueError("--replay needs --kv-events")
         return cls(instance_id=args.instance_id, role=args.role, engine_url=args.engine_url,
                    model=args.model, engine=args.engine, bootstrap_url=args.bootstrap_url,
+                   pd_protocol=(None if args.pd_protocol is None
+                                else PDProtocol.parse(args.pd_protocol)),
+                   nixl_engine_id=args.nixl_engine_id, nixl_host=args.nixl_host,
+                   nixl_port=args.nixl_port, tp_size=args.tp_size,
                    events=events, dp_size=args.dp_size, block_size=args.block_size,
                    tokenizer=args.tokenizer,
                    etcd=access.main_etcd, etcd_prefix=access.prefix,

@@ -45,10 +45,12 @@ def build_record(cfg: SidecarConfig, *, info: dict[str, Any], topo: PrefillServe
     if topo is not None:
         topology = {k: v for k, v in topo.to_json().items() if k not in DECODE_SIDE_KEYS}
     engine = info.get("engine")
+    proto = cfg.pd_protocol
     return InstanceRecord(
         instance_id=cfg.instance_id, role=cfg.role, model=cfg.model, url=cfg.engine_url,
         bootstrap_host=boot.hostname if boot else None, bootstrap_port=boot.port if boot else None,
-        tp_size=topo.attn_tp_size if topo else _int(info, "tp_size"),
+        tp_size=(topo.attn_tp_size if topo
+                 else _int(info, "tp_size") or (proto.tp_size if proto else None)),
         dp_size=topo.dp_size if topo else (_int(info, "dp_size") or cfg.dp_size),
         pp_size=topo.pp_size if topo else (_int(info, "pp_size") or 1),
         cp_size=topo.attn_cp_size if topo else 1,
@@ -65,4 +67,6 @@ def build_record(cfg: SidecarConfig, *, info: dict[str, Any], topo: PrefillServe
         max_body_bytes=_int(info, "max_body_bytes"),
         context_length=_int(info, "context_length"),
         max_running_requests=_int(info, "max_running_requests"),
-        max_total_num_tokens=_int(info, "max_total_num_tokens"))
+        max_total_num_tokens=_int(info, "max_total_num_tokens"),
+        # None: SGLang's bootstrap (the record's default), or an aggregated instance.
+        **({"pd_protocol": proto} if proto is not None else {}))

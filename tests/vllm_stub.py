@@ -18,6 +18,20 @@ low 64 bits, unsigned), never kvatlas's: a consumer must recompute its keys from
 ``--no-prefix-caching``: a publisher that never publishes (no prefix cache, no BlockStored).
 With ``--replay-port R`` a ROUTER answers ``[b"", start_seq]`` with every kept batch, then
 the end marker. Generation is fake: it echoes up to ``max_tokens`` characters of the prompt.
+
+PD roles (vLLM's NixlConnector contract, ``kv_transfer_params``; no KV moves):
+``--kv-role producer`` (a ``kv_producer`` prefill): a request whose ``kv_transfer_params`` has
+``do_remote_decode`` gets 1 token and a top-level ``kv_transfer_params`` of vLLM 0.33's shape
+(``nixl/pull_scheduler.py`` ``request_finished``; ``--kv-mode push``: ``push_scheduler.py``'s,
+without expiry and registration generation), its ``remote_block_ids`` the stub cache's ids of the
+prompt's blocks, ``remote_engine_id``/``remote_host``/``remote_port`` from ``--engine-id``,
+``--side-channel-host``/``--side-channel-port``. ``--kv-role consumer`` (a ``kv_consumer``
+decode): a push request lacking ``remote_engine_id``/``remote_host``/``remote_port``/``tp_size``
+is refused (400, where vLLM's ``params[...]`` raises KeyError); pull params lacking block ids
+or the producer's coordinates make it "recompute" (vLLM's silent fallback), which it records.
+Either role's engine request id is vLLM's: ``cmpl-<X-Request-Id>-<8 hex>`` (``chatcmpl-`` for
+chat). ``GET /debug/requests`` lists what it got (the last 10000): path, ``x_request_id``,
+``request_id``, the body, ``recomputed``.
 """
 from __future__ import annotations
 
@@ -26,8 +40,10 @@ import asyncio
 import hashlib
 import json
 import logging
+import secrets
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +72,9 @@ class VllmStub:
         self.queries = 0
         self.hits = 0
         self.requests = 0
+        self.block_ids: dict[int, int] = {}
+        """Engine hash -> the stub cache's block id (what a producer's params name)."""
+        self.received: deque[dict[str, Any]] = deque(maxlen=10000)
         self.ctx = zmq.asyncio.Context()
         self.pub: zmq.asyncio.Socket | None = None
         self.router: zmq.asyncio.Socket | None = None
@@ -66,15 +85,18 @@ class VllmStub:
         data = json.dumps([parent, tokens, self.args.model]).encode()
         return int.from_bytes(hashlib.sha256(data).digest()[-8:], "big")
 
-    def store(self, ids: list[int]) -> None:
-        """Cache the prompt's full blocks; publish the new ones as one BlockStored."""
+    def store(self, ids: list[int]) -> list[int]:
+        """Cache the prompt's full blocks; publish the new ones as one BlockStored; the
+        engine hashes of all of them."""
         bs = self.args.block_size
         parent: int | None = None
         start_parent: int | None = None
         first_new: int | None = None
         hashes: list[int] = []
+        every: list[int] = []
         for i in range(len(ids) // bs):
             h = self.engine_hash(parent, ids[i * bs:(i + 1) * bs])
+            every.append(h)
             self.queries += bs
             if h in self.cached and first_new is None:
                 self.hits += bs
@@ -86,7 +108,7 @@ class VllmStub:
             hashes.append(h)
             parent = h
         if first_new is None or not self.args.prefix_caching:
-            return
+            return every
         self.cached.update(hashes)
         tokens = ids[first_new * bs:(first_new + len(hashes)) * bs]
         if self.args.encoding == "map":
@@ -96,6 +118,40 @@ class VllmStub:
         else:
             event = ["BlockStored", hashes, start_parent, tokens, bs, None, "GPU"]
         self.publish([time.time(), [event], None])
+        return every
+
+    # --- PD (kv_transfer_params) ---------------------------------------------------------------
+
+    def producer_params(self, hashes: list[int], engine_rid: str, n_tokens: int
+                        ) -> dict[str, Any]:
+        """What vLLM 0.33's connector returns from ``request_finished`` on a prefill."""
+        a = self.args
+        blocks = [self.block_ids.setdefault(h, len(self.block_ids) + 1) for h in hashes]
+        params: dict[str, Any] = {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [blocks],
+            "remote_engine_id": a.engine_id or f"stub-{a.port}", "remote_request_id": engine_rid,
+            "remote_host": a.side_channel_host, "remote_port": a.side_channel_port,
+            "tp_size": a.tp_size, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": n_tokens}
+        if a.kv_mode == "pull":
+            params["remote_blocks_expiry_time"] = None
+            params["remote_registration_generation"] = 0
+        params["transfer_mode"] = a.kv_mode
+        return params
+
+    def consumer_check(self, params: dict[str, Any]) -> tuple[str | None, bool]:
+        """(why a decode refuses the params, whether it computes the prompt itself)."""
+        if self.args.kv_mode == "push":
+            missing = [k for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size")
+                       if k not in params]
+            if missing:
+                return f"KeyError: {missing[0]!r} (push mode needs {missing})", False
+            return None, False
+        needed = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+        blocks = params.get("remote_block_ids")
+        return None, not blocks or any(params.get(k) is None for k in needed)
+
+    async def debug_requests(self, _: web.Request) -> web.Response:
+        return web.json_response({"requests": list(self.received)})
 
     def publish(self, batch: list[Any]) -> None:
         if self.pub is None:
@@ -147,12 +203,29 @@ class VllmStub:
         ids = self.prompt_ids(body, chat)
         if len(ids) > self.args.max_model_len:
             return web.json_response({"error": "prompt longer than max_model_len"}, status=400)
+        x_rid = request.headers.get("X-Request-Id")
+        rid = (f"{'chatcmpl' if chat else 'cmpl'}-{x_rid or secrets.token_hex(16)}"
+               f"-{secrets.token_hex(4)}")
+        params = body.get("kv_transfer_params")
+        params = params if isinstance(params, dict) else None
+        role = self.args.kv_role
+        seen: dict[str, Any] = {"path": request.path, "x_request_id": x_rid, "request_id": rid,
+                                "body": body, "recomputed": False}
+        self.received.append(seen)
+        if role == "consumer" and params is not None and params.get("do_remote_prefill"):
+            refused, seen["recomputed"] = self.consumer_check(params)
+            if refused is not None:
+                seen["refused"] = refused
+                return web.json_response({"error": refused}, status=400)
         self.requests += 1
         self.prompt_tokens += len(ids)
-        self.store(ids)
+        hashes = self.store(ids)
         n = int(body.get("max_tokens") or 4)
+        answer_params = None
+        if role == "producer" and params is not None and params.get("do_remote_decode"):
+            n = 1
+            answer_params = self.producer_params(hashes, rid, len(ids))
         text = self.tok.decode(ids)[:n]
-        rid = f"cmpl-{self.requests}"
         if chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
                                       "finish_reason": "length"}
@@ -163,14 +236,19 @@ class VllmStub:
         obj = "chat.completion" if chat else "text_completion"
         if not body.get("stream"):
             return web.json_response({"id": rid, "object": obj, "model": self.args.model,
-                                      "choices": [choice], "usage": usage})
+                                      "choices": [choice], "usage": usage,
+                                      "kv_transfer_params": answer_params})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for ch in text:
-            delta = ({"index": 0, "delta": {"content": ch}} if chat
-                     else {"index": 0, "text": ch})
+        for i, ch in enumerate(text):
+            delta: dict[str, Any] = ({"index": 0, "delta": {"content": ch}} if chat
+                                     else {"index": 0, "text": ch})
             chunk = {"id": rid, "object": obj + ".chunk", "model": self.args.model,
                      "choices": [delta]}
+            if i == len(text) - 1:
+                # vLLM: the params ride on the chunk with the finish reason only.
+                delta["finish_reason"] = "length"
+                chunk["kv_transfer_params"] = answer_params
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -212,6 +290,7 @@ class VllmStub:
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/debug/requests", self.debug_requests)
         app.router.add_post("/v1/completions", lambda r: self.generate(r, False))
         app.router.add_post("/v1/chat/completions", lambda r: self.generate(r, True))
         runner = web.AppRunner(app, access_log=None)
@@ -233,6 +312,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--encoding", choices=("array", "map"), default="array")
     p.add_argument("--lora", action="append", default=[], help="a served LoRA adapter's name")
+    p.add_argument("--kv-role", choices=("producer", "consumer"), default=None,
+                   help="a PD half (vLLM's kv_producer / kv_consumer); default: aggregated")
+    p.add_argument("--kv-mode", choices=("pull", "push"), default="pull",
+                   help="NixlConnector (pull) or NixlPushConnector (push)")
+    p.add_argument("--engine-id", default=None,
+                   help="producer: kv_transfer_config engine_id (default stub-PORT)")
+    p.add_argument("--side-channel-host", default="127.0.0.1")
+    p.add_argument("--side-channel-port", type=int, default=5600)
+    p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--no-kv-events", dest="kv_events", action="store_false")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     return p.parse_args(argv)

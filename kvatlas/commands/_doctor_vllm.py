@@ -15,6 +15,7 @@ adapters) and its ``/metrics`` (prompt tokens served, prefix-cache queries):
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -23,7 +24,7 @@ from index.agent_stats import parse_stats_key, stats_prefix
 from index.errors import EtcdError
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, loads
-from index.record import RecordReader
+from index.record import InstanceRecord, RecordReader
 
 CheckedLink = tuple[str, bool, str, str]
 """(name, ok, detail, hint)."""
@@ -106,15 +107,8 @@ async def vllm_doctor_links(etcd: EtcdSettings, layout: KeyLayout,
             _, skvs = await client.get_prefix(stats_prefix(layout))
     except (EtcdError, OSError):
         return []
-    records: dict[str, dict[str, Any]] = {}
-    for kv in kvs:
-        try:
-            iid = layout.parse_instance(kv.key)
-        except ValueError:
-            continue
-        rec = reader.read(kv.key, kv.value, instance_id=iid)
-        if rec is not None and rec.engine == "vllm":
-            records[iid] = rec.to_dict()
+    records = {iid: rec.to_dict() for iid, rec in readable_records(layout, reader, kvs)
+               if rec.engine == "vllm"}
     if not records:
         return []
     counters: dict[str, Any] = {}
@@ -133,6 +127,19 @@ async def vllm_doctor_links(etcd: EtcdSettings, layout: KeyLayout,
                                 models if isinstance(models, dict) else None,
                                 metrics if isinstance(metrics, str) else None)
     return links
+
+
+def readable_records(layout: KeyLayout, reader: RecordReader, kvs: Any
+                     ) -> Iterator[tuple[str, InstanceRecord]]:
+    """(instance id, record) of every instance key that parses (the reader counts the rest)."""
+    for kv in kvs:
+        try:
+            iid = layout.parse_instance(kv.key)
+        except ValueError:
+            continue
+        rec = reader.read(kv.key, kv.value, instance_id=iid)
+        if rec is not None:
+            yield iid, rec
 
 
 async def _get(http: aiohttp.ClientSession, url: str, *, json_body: bool) -> Any:

@@ -23,7 +23,8 @@ def register(subparsers: Any) -> None:
                     "instance that served requests, blocks that never match its hashes); the "
                     "index mirror, and a probe through the router. Per vLLM instance (sidecar --engine "
                     "vllm): KV events arrive, prefix caching on, block size matches, blocks "
-                    "in the base namespace (no LoRA adapters, no salted blocks).")
+                    "in the base namespace (no LoRA adapters, no salted blocks). Per vLLM "
+                    "PD model: a pair, modes agree, push identities, a canary per prefill.")
     add_cluster_etcd_args(p, index=True)
     p.add_argument("--router", default=None, metavar="URL",
                    help="router base URL (default: the run dir's, else no router checks)")
@@ -34,6 +35,7 @@ def register(subparsers: Any) -> None:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from kvatlas.commands._doctor_vllm import vllm_doctor_links
+    from kvatlas.commands._doctor_vllm_pd import vllm_pd_links
     from kvatlas.launcher.doctor import Doctor, Link
 
     access = cluster_access(args)
@@ -51,6 +53,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     # vLLM's own silent-zero-hit causes, per vLLM instance, whatever link the chain stopped at.
     links += [Link(name, ok, detail, "" if ok else hint) for name, ok, detail, hint in
               asyncio.run(vllm_doctor_links(access.main_etcd, access.layout, args.timeout))]
+    # vLLM's PD pairs (kv_transfer_params): modes, push identities, a canary per prefill.
+    links += [Link(name, ok, detail, "" if ok else hint) for name, ok, detail, hint in
+              asyncio.run(vllm_pd_links(access.main_etcd, access.layout, args.timeout))]
     if args.json:
         print(json.dumps([vars(link) for link in links], indent=2))
     else:

@@ -17,7 +17,8 @@ def register(subparsers: Any) -> None:
         "sidecar", help="run beside a foreign engine: its record, rank table and KV events in "
                         "etcd under one lease, and its health",
         description="Stands beside an SGLang (--engine sglang: prefill, decode or aggregated) or "
-                    "a vLLM engine (--engine vllm --role aggregated). Publishes the engine's "
+                    "a vLLM engine (--engine vllm: aggregated, or a NixlConnector prefill or "
+                    "decode with --pd-protocol vllm-pull|vllm-push). Publishes the engine's "
                     "instance record (url, bootstrap address, model, "
                     "block size, tokenizer), mirrors a prefill's SGLang bootstrap rank table into "
                     "etcd, indexes its KV events (every attention-DP rank), and health-checks "

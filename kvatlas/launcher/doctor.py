@@ -71,10 +71,12 @@ class Doctor:
             for step in steps:
                 if not await step():
                     return self.links
-            decodes = [r for r in self.instances.values() if r.get("role") == "decode"]
+            # vLLM-protocol pairs (pd_protocol set) are walked by kvatlas/commands/_doctor_vllm_pd.
+            decodes = [r for r in self.instances.values()
+                       if r.get("role") == "decode" and not r.get("pd_protocol")]
             for iid, rec in sorted(self.instances.items()):
-                if rec.get("role") == "prefill" and not await self._prefill(http, iid, rec,
-                                                                             decodes[0]):
+                if (rec.get("role") == "prefill" and not rec.get("pd_protocol") and decodes
+                        and not await self._prefill(http, iid, rec, decodes[0])):
                     return self.links
             if self.router:
                 await self._router(http)

@@ -132,14 +132,6 @@ def test_a_bad_engine_or_role_is_a_cli_error_naming_the_flag(flag: str, value: s
     assert f"argument {flag}: invalid choice: '{value}'" in out.stderr, out.stderr
 
 
-def test_vllm_with_a_pd_role_is_a_cli_error_saying_why() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "kvatlas", "sidecar", "--engine", "vllm", "--role", "prefill",
-         "--instance-id", "v0", "--engine-url", "http://127.0.0.1:1", "--model", MODEL],
-        cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0 and "--engine vllm needs --role aggregated" in out.stderr, out
-
-
 # --- kvatlas doctor ------------------------------------------------------------------------------
 
 def doctor(p: VllmProcs) -> dict[str, dict[str, Any]]:
