@@ -145,25 +145,10 @@ async def prefill_one(ps: PrefillState, prompt: list[int], params: Any, rid: str
         ps.stats["failed"] += 1
         return json_error(502, f"room {room} was not computed: {exc}", room=room,
                           stage=exc.stage.name if exc.stage else None)
-    last = None
-    try:
-        async with contextlib.aclosing(engine.generate(
-                prompt, replace(params, max_new_tokens=1), rid, hold_pages=True)) as gen:
-            async for out in gen:
-                last = out
-    except (CapacityError, BadRequest) as exc:
-        ps.sender.abort(room, str(exc))
-        raise
-    except BaseException as exc:  # cancelled: the pages may already be held; give them back
-        ps.sender.abort(room, f"prefill did not finish: {type(exc).__name__}")
-        await asyncio.shield(engine.call(ps.replica.release_held, rid))
-        raise
-    if last is None or last.error or not last.new_ids:
-        reason = last.error if last is not None and last.error else "prefill produced no token"
-        ps.sender.abort(room, reason)
-        await engine.call(ps.replica.release_held, rid)
-        return json_error(500, f"prefill of room {room} failed: {reason}", room=room)
-    first, cached = last.new_ids[0], last.cached_tokens
+    computed = await compute_held(ps, prompt, params, rid, room)
+    if isinstance(computed, web.Response):
+        return computed
+    first, cached = computed
     released = False
     try:
         pages = await engine.call(lambda: list(ps.replica.held[rid]))
@@ -190,6 +175,32 @@ async def prefill_one(ps: PrefillState, prompt: list[int], params: Any, rid: str
                       "cached_tokens": cached, "completion_tokens": 1,
                       "finish_reason": {"type": "kv_sent"},
                       "e2e_latency": round(time.monotonic() - started, 6)}})
+
+
+async def compute_held(ps: PrefillState, prompt: list[int], params: Any, rid: str, room: int
+                       ) -> tuple[int, int] | web.Response:
+    """Run the prompt (one token) keeping its pages held: (first token, cached tokens), or the
+    500 answer when it produced none. On any failure the room is aborted and no page stays
+    held; the caller gives the pages back once they are sent."""
+    engine, last = ps.engine, None
+    try:
+        async with contextlib.aclosing(engine.generate(
+                prompt, replace(params, max_new_tokens=1), rid, hold_pages=True)) as gen:
+            async for out in gen:
+                last = out
+    except (CapacityError, BadRequest) as exc:
+        ps.sender.abort(room, str(exc))
+        raise
+    except BaseException as exc:  # cancelled: the pages may already be held; give them back
+        ps.sender.abort(room, f"prefill did not finish: {type(exc).__name__}")
+        await asyncio.shield(engine.call(ps.replica.release_held, rid))
+        raise
+    if last is None or last.error or not last.new_ids:
+        reason = last.error if last is not None and last.error else "prefill produced no token"
+        ps.sender.abort(room, reason)
+        await engine.call(ps.replica.release_held, rid)
+        return json_error(500, f"prefill of room {room} failed: {reason}", room=room)
+    return last.new_ids[0], last.cached_tokens
 
 
 async def wait_for_decode(ps: PrefillState, room: int) -> None:

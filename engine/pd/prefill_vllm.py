@@ -19,19 +19,19 @@ import asyncio
 import contextlib
 import json
 import logging
-from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
-from engine.errors import BadRequest, CapacityError
-from engine.http_common import json_error, until_disconnected
+from engine.errors import BadRequest
+from engine.http_common import until_disconnected
 from engine.pd.batch import PDItem, read_openai_item
 from engine.pd.common import Bootstrap, bootstrap_fields
 from engine.pd.prefill import (
     PREFILL_KEY,
     PrefillState,
     abort_and_release,
+    compute_held,
     prefill_items,
     prefill_one,
     send_all_ranks,
@@ -124,25 +124,10 @@ async def compute_and_hold(ps: PrefillState, item: PDItem, rid: str, chat: bool,
         ps.sender.create(room)
     except TransferError as exc:  # the same X-Request-Id twice, while the first is held
         raise BadRequest("X-Request-Id", f"{exc.reason}: send a fresh id per attempt") from None
-    last = None
-    try:
-        async with contextlib.aclosing(engine.generate(
-                gi.prompt, replace(gi.params, max_new_tokens=1), rid, hold_pages=True)) as gen:
-            async for out in gen:
-                last = out
-    except (CapacityError, BadRequest) as exc:
-        ps.sender.abort(room, str(exc))
-        raise
-    except BaseException as exc:  # cancelled: the pages may already be held; give them back
-        ps.sender.abort(room, f"prefill did not finish: {type(exc).__name__}")
-        await asyncio.shield(engine.call(ps.replica.release_held, rid))
-        raise
-    if last is None or last.error or not last.new_ids:
-        reason = last.error if last is not None and last.error else "prefill produced no token"
-        ps.sender.abort(room, reason)
-        await engine.call(ps.replica.release_held, rid)
-        return json_error(500, f"prefill of room {room} failed: {reason}", room=room)
-    first, cached = last.new_ids[0], last.cached_tokens
+    computed = await compute_held(ps, gi.prompt, gi.params, rid, room)
+    if isinstance(computed, web.Response):
+        return computed
+    first, cached = computed
     try:
         pages = await engine.call(lambda: list(ps.replica.held[rid]))
     except BaseException:
