@@ -81,8 +81,11 @@ async def prefill_openai(request: web.Request, chat: bool) -> web.StreamResponse
         return await prefill_items(request, [item], False)
     item.gen.rid = rid
     ps.engine.scheduler.check_fits(len(item.gen.prompt), 1)
+    # the base id is claimed too: a second request under the same X-Request-Id would share
+    # the room (a 409 while the first holds it)
+    ids = [rid, base_request_id(rid)]
     if cfg.pd_protocol.mode == PUSH:
-        with ps.engine.claim([rid]):
+        with ps.engine.claim(ids):
             res = await until_disconnected(request, prefill_one(
                 ps, item.gen.prompt, item.gen.params, rid, item.boot))
         if res.status != 200:
@@ -93,7 +96,7 @@ async def prefill_openai(request: web.Request, chat: bool) -> web.StreamResponse
                       doc["meta_info"]["cached_tokens"], [])
     # pull: the claim outlives this handler, until the lease ends
     claim = contextlib.ExitStack()
-    claim.enter_context(ps.engine.claim([rid]))
+    claim.enter_context(ps.engine.claim(ids))
     try:
         return await until_disconnected(request, compute_and_hold(ps, item, rid, chat, claim))
     except BaseException:

@@ -163,6 +163,11 @@ async def test_pull_lease_expires_and_releases_the_pages() -> None:
             assert kv["remote_block_ids"][0] and kv["remote_request_id"].startswith(
                 f"cmpl-{rid}-")
             assert p.ps.replica.held, "the pulled KV should be held for its decode"
+            # the same X-Request-Id again while its KV is held: refused, naming the id
+            async with s.post(p.p_url + "/v1/completions", headers={"X-Request-Id": rid},
+                              json=prefill_body(body_of([256, 5, 6], 4))) as r:
+                again = await r.json()
+                assert r.status == 409 and f"cmpl-{rid}" in message(again), again
             await wait_until(lambda: p.ps.stats["expired"] == 1,
                              what="the lease expired", detail=lambda: p.ps.stats)
             await pages_back(p)
