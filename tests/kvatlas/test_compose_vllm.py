@@ -46,8 +46,8 @@ def test_vllm_engines_and_sidecars_agree_on_block_size_and_events() -> None:
         assert _flag(car, "--topic") == events["topic"]
         parsed = build_parser().parse_args(car[car.index("sidecar"):])
         assert (parsed.engine, parsed.role) == ("vllm", "aggregated")
-    with pytest.raises(ValueError, match="aggregated instances only"):
-        VllmTopology(prefill=1, decode=1, aggregated=0)
+    with pytest.raises(ValueError, match="not both in one file"):
+        VllmTopology(prefill=1, decode=1, aggregated=1)
 
 
 def test_vllm_docker_compose_config_validates() -> None:
