@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -50,17 +51,23 @@ def test_vllm_engines_and_sidecars_agree_on_block_size_and_events() -> None:
         VllmTopology(prefill=1, decode=1, aggregated=1)
 
 
-def test_vllm_docker_compose_config_validates() -> None:
+def compose_config(path: Path) -> dict[str, Any]:
+    """The services ``docker-compose config`` resolves from ``path`` with the required secrets
+    set and the optional variables unset (skips where docker-compose is not installed)."""
     tool = shutil.which("docker-compose")
     if tool is None:
         pytest.skip("docker-compose is not installed (CI installs it)")
     env = {**os.environ, "KVATLAS_ADMIN_TOKEN": "admin-token-1", **ETCD_PASSWORDS}
     for var in ("KVATLAS_MODEL", "KVATLAS_TOKENIZER", "KVATLAS_IMAGE"):
         env.pop(var, None)
-    out = subprocess.run([tool, "-f", str(VLLM_COMPOSE), "config"], env=env,
+    out = subprocess.run([tool, "-f", str(path), "config"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    resolved = yaml.safe_load(out.stdout)["services"]
+    return yaml.safe_load(out.stdout)["services"]
+
+
+def test_vllm_docker_compose_config_validates() -> None:
+    resolved = compose_config(VLLM_COMPOSE)
     assert set(resolved) == set(vllm_compose_document()["services"])
     assert _flag(resolved["router"]["command"], "--tokenizer") == "Qwen/Qwen3-0.6B=qwen3"
     assert resolved["aggregated-0"]["command"][:2] == ["serve", "Qwen/Qwen3-0.6B"]

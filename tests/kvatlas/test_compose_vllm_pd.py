@@ -5,14 +5,12 @@ real CLI (the sidecar's own validation included)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-import yaml
-from test_compose_vllm import ETCD_PASSWORDS, ROOT, _flag
+from test_compose_vllm import ROOT, _flag, compose_config
 
 from kvatlas.launcher.compose_vllm import (
     PD_FILES,
@@ -25,7 +23,7 @@ from kvatlas.launcher.compose_vllm import (
 MODES = sorted(PD_FILES)
 
 
-def _path(mode: str):  # type: ignore[no-untyped-def]
+def _path(mode: str) -> Path:
     return ROOT / "deploy" / "vllm" / PD_FILES[mode][1]
 
 
@@ -82,16 +80,7 @@ def test_the_generator_names_its_arguments() -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_vllm_pd_docker_compose_config_validates(mode: str) -> None:
-    tool = shutil.which("docker-compose")
-    if tool is None:
-        pytest.skip("docker-compose is not installed (CI installs it)")
-    env = {**os.environ, "KVATLAS_ADMIN_TOKEN": "admin-token-1", **ETCD_PASSWORDS}
-    for var in ("KVATLAS_MODEL", "KVATLAS_TOKENIZER", "KVATLAS_IMAGE"):
-        env.pop(var, None)
-    out = subprocess.run([tool, "-f", str(_path(mode)), "config"], env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    resolved = yaml.safe_load(out.stdout)["services"]
+    resolved = compose_config(_path(mode))
     assert set(resolved) == set(vllm_compose_document(vllm_pd_compose_topology(mode))
                                 ["services"])
     assert resolved["prefill-0"]["command"][:2] == ["serve", "Qwen/Qwen3-0.6B"]
