@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 from index.access import ClusterAccess
 from index.etcd import EtcdSettings
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_model
+from index.pd_protocol import CHOICES as PD_CHOICES
+from index.pd_protocol import PDProtocol
 from index.shards import IndexShards
 from router.resilience_config import ResilienceSettings, add_resilience_args, resilience_kwargs
 from router.routing_config import (
@@ -116,6 +118,11 @@ class RouterConfig(RoutingSettings, ResilienceSettings):
     """Static prefill workers: (URL, bootstrap port or None for the prefill's default 8998)."""
     decode: list[str] = field(default_factory=list)
     """Static decode worker URLs."""
+    pd_protocol: str = "sglang"
+    """The PD protocol of the static ``prefill``/``decode`` workers (``index.pd_protocol``):
+    ``sglang`` (bootstrap fields) or ``vllm``/``vllm-pull`` (``kv_transfer_params``, as vLLM's
+    own proxy drives a pair). vLLM's push mode names each prefill's identity in advance, so
+    its prefills come from records (``kvatlas sidecar --engine vllm --role prefill``)."""
     worker_urls: list[str] = field(default_factory=list)
     """Static aggregated workers (sglang-router's regular mode, ``--worker-urls``): each serves
     whole requests, sent as received with no bootstrap fields."""
@@ -183,6 +190,13 @@ class RouterConfig(RoutingSettings, ResilienceSettings):
         ResilienceSettings.__post_init__(self)
         self.prefill = [(check_url(u), parse_bootstrap_port(p)) for u, p in self.prefill]
         self.decode = [check_url(u) for u in self.decode]
+        protocol = PDProtocol.parse(self.pd_protocol)
+        if protocol.missing_identity():
+            raise ValueError("--pd-protocol vllm-push needs each prefill's NIXL engine id, side "
+                             "channel and TP size, which static --prefill URLs do not give: "
+                             "register the prefills with `kvatlas sidecar --engine vllm --role "
+                             "prefill --pd-protocol vllm-push ...` and route with --etcd, or use "
+                             "--pd-protocol vllm (pull) for static workers")
         self.worker_urls = [check_url(u) for u in self.worker_urls]
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
@@ -226,6 +240,10 @@ class RouterConfig(RoutingSettings, ResilienceSettings):
                             help="static prefill worker, repeatable")
         parser.add_argument("--decode", action="append", default=[], metavar="URL",
                             help="static decode worker, repeatable")
+        parser.add_argument("--pd-protocol", default="sglang", choices=PD_CHOICES,
+                            help="how the static --prefill/--decode pairs move KV: sglang "
+                                 "(bootstrap fields) or vllm (kv_transfer_params, pull mode); "
+                                 "records state their own")
         parser.add_argument("--worker-urls", nargs="+", action="extend", default=[],
                             metavar="URL", help="static aggregated workers (sglang-router's "
                                                 "regular mode): each serves whole requests")
@@ -292,7 +310,8 @@ class RouterConfig(RoutingSettings, ResilienceSettings):
             host=args.host, port=args.port, etcd=access.etcd, index_etcd=access.index_shards,
             etcd_prefix=access.prefix, model=args.model,
             tokenizers=parse_tokenizer_flags(args.tokenizer),
-            prefill=prefill, decode=list(args.decode), worker_urls=list(args.worker_urls),
+            prefill=prefill, decode=list(args.decode), pd_protocol=args.pd_protocol,
+            worker_urls=list(args.worker_urls),
             admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None,
             forward_client_auth=args.forward_client_auth,
             max_body=args.max_body, max_prompt_tokens=args.max_prompt_tokens,

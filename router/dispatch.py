@@ -20,6 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from index.pd_protocol import PULL, PUSH, VLLM
 from router.capacity import request_need
 from router.client_ids import ClientRid, RidEcho, engine_rid
 from router.errors import NoWorkers, error_response, json_error
@@ -31,6 +32,7 @@ from router.requests import Parsed, inject, with_rid
 from router.route import decide, route_context
 from router.state import Pair, RouterState
 from router.upstreams import Upstreams
+from router.vllm_pd import answered_params, decode_body, new_request_id, prefill_body, push_params
 from router.workers import DECODE, Worker
 
 logger = logging.getLogger(__name__)
@@ -126,8 +128,11 @@ class Dispatcher:
             if client_rid is not None:
                 rid = engine_rid(client_rid)
                 echo = RidEcho(rid, client_rid)
+            vllm = decode is not None and p.protocol.name == VLLM
             if decode is None:  # aggregated: the body as received (the engine's own rid)
                 body, rooms = with_rid(parsed, rid), None
+            elif vllm:  # each side's own body, made per attempt (router/vllm_pd.py)
+                body, rooms = b"", None
             else:
                 body, rooms = inject(parsed, p.bootstrap_host, p.bootstrap_port, rid)
             state.on_routed(pair)
@@ -144,9 +149,13 @@ class Dispatcher:
                         request, path, p, body,
                         local_headers(headers) if p.role == DECODE else wire_headers,
                         parsed.stream, reply, echo)
+                elif vllm:
+                    result = await self._attempt_vllm(request, path, pair, parsed, headers,
+                                                      reply, echo, held[0])
                 else:
-                    result = await self._attempt(request, path, pair, body, wire_headers,
-                                                 parsed.stream, reply, echo, held[0])
+                    result = await self._attempt(request, path, pair, (body, body),
+                                                 wire_headers, parsed.stream, reply, echo,
+                                                 held[0])
             finally:
                 # The answering call ended with the attempt (a stream: once it was relayed).
                 cap.give(answering, held[1], finished=True)
@@ -164,13 +173,15 @@ class Dispatcher:
         assert last is not None
         return last.answer(request_id)
 
-    async def _attempt(self, request: Request, path: str, pair: Pair, body: bytes,
-                       headers: bytes, stream: bool, reply: dict[str, str],
-                       echo: RidEcho | None, prefill_pages: int = 0
+    async def _attempt(self, request: Request, path: str, pair: Pair,
+                       bodies: tuple[bytes, bytes], headers: bytes, stream: bool,
+                       reply: dict[str, str], echo: RidEcho | None, prefill_pages: int = 0
                        ) -> Response | Stream | Failure:
-        """One attempt; ``reply``: the headers of the client's answer (its request id, and
-        the route's explanation when asked for); ``prefill_pages``: what the prefill's call
-        holds (``Capacity.take``), given back when it ends."""
+        """One attempt at a pair whose halves are sent at once (SGLang's bootstrap, vLLM's
+        push): ``bodies`` are the prefill's and the decode's; ``reply``: the headers of the
+        client's answer (its request id, and the route's explanation when asked for);
+        ``prefill_pages``: what the prefill's call holds (``Capacity.take``), given back when
+        it ends."""
         prefill, decode = pair.prefill.worker, pair.decode.worker
         prefill.requests += 1
         decode.requests += 1
@@ -179,8 +190,9 @@ class Dispatcher:
         prefill.load += 1
         decode.load += 1
         t0 = time.perf_counter()
-        prefill_call = self.upstreams.of(prefill).call("POST", path, headers, body)
-        decode_call = self.upstreams.of(decode).call("POST", path, headers, body, stream=stream)
+        prefill_call = self.upstreams.of(prefill).call("POST", path, headers, bodies[0])
+        decode_call = self.upstreams.of(decode).call("POST", path, headers, bodies[1],
+                                                     stream=stream)
         prefill_call.add_done_callback(
             functools.partial(self._prefill_done, prefill, t0, decode_call, prefill_pages))
         try:
@@ -280,6 +292,69 @@ class Dispatcher:
         finally:
             if not relayed:
                 worker.load -= 1
+
+    async def _attempt_vllm(self, request: Request, path: str, pair: Pair, parsed: Parsed,
+                            headers: dict[str, str], reply: dict[str, str],
+                            echo: RidEcho | None, prefill_pages: int
+                            ) -> Response | Stream | Failure:
+        """One attempt at a vLLM-protocol pair (router/vllm_pd.py), under a request id of its
+        own that both halves share: push sends both at once, as a bootstrap pair; pull waits
+        for the prefill's answer and hands its ``kv_transfer_params`` to the decode."""
+        rid = new_request_id()
+        wire = encode_headers({**headers, "x-request-id": rid})
+        prefill = pair.prefill.worker
+        m = self.state.metrics
+        if prefill.protocol.mode == PUSH:
+            m.child(m.vllm_pd_requests, PUSH, "given").inc()
+            pp = prefill.record.get("pp_size") or 1
+            bodies = (prefill_body(parsed), decode_body(
+                parsed, push_params(parsed, rid, prefill.protocol, pp)))
+            return await self._attempt(request, path, pair, bodies, wire, parsed.stream,
+                                       reply, echo, prefill_pages)
+        answer = await self._prefill_first(path, prefill, prefill_body(parsed), wire,
+                                           prefill_pages, reply)
+        if not isinstance(answer, bytes):
+            return answer
+        params = answered_params(answer)
+        m.child(m.vllm_pd_requests, PULL, "given" if params else "missing").inc()
+        if params is None:
+            logger.warning("prefill %s answered request %s without kv_transfer_params: its "
+                           "decode computes the prompt itself", prefill.instance_id, rid)
+        assert pair.decode is not None
+        return await self._attempt_one(request, path, pair.decode.worker,
+                                       decode_body(parsed, params), wire, parsed.stream,
+                                       reply, echo)
+
+    async def _prefill_first(self, path: str, prefill: Worker, body: bytes, headers: bytes,
+                             pages: int, reply: dict[str, str]) -> bytes | Response | Failure:
+        """A pull-mode prefill's whole answer (bytes) when it succeeded; its own answer to
+        relay when it refused the request (4xx: the client's, counted as a success); a
+        Failure to retry elsewhere otherwise."""
+        prefill.requests += 1
+        prefill.load += 1
+        t0 = time.perf_counter()
+        call = self.upstreams.of(prefill).call("POST", path, headers, body)
+        try:
+            resp = await call
+            answer = resp.take()
+        except asyncio.CancelledError:
+            _drop(call)  # the client left: closing the call is how the engine learns to abort
+            raise
+        except UpstreamError as exc:
+            _record(self.state, prefill, None, "transport")
+            _drop(call)
+            return self._prefill_failure(prefill, f"transport error ({exc})")
+        finally:
+            prefill.load -= 1
+            self.state.capacity.give(prefill, pages)
+            self.state.metrics.latency["prefill"].observe(time.perf_counter() - t0)
+        resp.release()
+        _record(self.state, prefill, resp.status)
+        if resp.status in RETRY_STATUSES or resp.status >= 500:
+            return Failure(resp.status, answer, resp.content_type, prefill.instance_id)
+        if resp.status != 200:
+            return Response(resp.status, answer, resp.content_type, reply)
+        return answer
 
     def _prefill_failure(self, prefill: Worker, err: str) -> Failure:
         return Failure.of_router(502, f"prefill {prefill.instance_id} failed: {err}",

@@ -45,7 +45,8 @@ def explain(pair: Pair, config: RouterConfig, policy: str) -> str:
     """The header value for ``pair`` (compact JSON, ASCII)."""
     p, d = pair.prefill, pair.decode
     where = ({"worker": p.worker.instance_id} if d is None
-             else {"prefill": p.worker.instance_id, "decode": d.worker.instance_id})
+             else {"prefill": p.worker.instance_id, "decode": d.worker.instance_id,
+                   "pd_protocol": p.worker.protocol.label})
     doc: dict[str, Any] = {
         **where,
         "block_size": config.block_size, "prompt_blocks": p.prompt_blocks,

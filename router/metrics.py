@@ -118,6 +118,11 @@ class RouterMetrics:
             "kvatlas_router_disagg_decisions",
             "With PD pairs and aggregated workers both serving: requests by the path chosen "
             "(pd, aggregated) and why", ["path", "reason"], registry=r)
+        self.vllm_pd_requests = Counter(
+            "kvatlas_router_vllm_pd_requests",
+            "Requests sent to vLLM-protocol PD pairs, by mode (pull, push) and outcome of the "
+            "prefill's kv_transfer_params (given; missing: the decode computes the prompt "
+            "itself, as vLLM does when its prefill aborted)", ["mode", "params"], registry=r)
         self.prefix_hit_tokens = Counter("kvatlas_router_prefix_hit_tokens",
                                          "Prompt tokens the chosen prefill was counted as "
                                          "holding: the sum of kvatlas_router_index_hit_tokens "

@@ -31,6 +31,9 @@ class RouteContext:
     samples: tuple[str, int] | None = None
     """(field, n) of a request asking for n > 1 samples: only a worker that serves it whole
     may take it (``Parsed.samples``)."""
+    vllm_pd: bool = False
+    """vLLM's PD protocol can carry it: an OpenAI completion or chat with one prompt (vLLM has
+    no ``/generate``, and its ``kv_transfer_params`` name one request's blocks)."""
     _hashes: list[int] | None = None
 
     def hashes(self, hasher: PromptHasher, seed: int) -> list[int]:

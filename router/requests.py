@@ -62,6 +62,8 @@ class Parsed:
     samples: tuple[str, int] | None = None
     """(field, n) when the body asks for n > 1 samples (``n``, ``sampling_params.n``): only a
     worker that serves the request whole takes it (a PD pair runs one sample per room)."""
+    api: str = GENERATE
+    """The API the body was read as: ``generate`` (SGLang's), ``completions`` or ``chat``."""
 
     @property
     def load_only(self) -> bool:
@@ -227,7 +229,7 @@ def parse_completion(body: dict[str, Any], max_tokens: int, limit: Limit | None 
     samples = _openai_common(body, max_tokens)
     stream = _flag(body, "stream")
     return Parsed(body, prompts, batch, stream, _model(body), from_text=text,
-                  samples=samples)
+                  samples=samples, api=COMPLETIONS)
 
 
 def parse_chat(body: dict[str, Any], max_tokens: int, limit: Limit | None = None,
@@ -240,7 +242,7 @@ def parse_chat(body: dict[str, Any], max_tokens: int, limit: Limit | None = None
     prompts = [_chat(body, messages, limit, tok)]
     samples = _openai_common(body, max_tokens)
     return Parsed(body, prompts, None, _flag(body, "stream"), _model(body), from_text=True,
-                  samples=samples)
+                  samples=samples, api=CHAT)
 
 
 def _openai_common(body: dict[str, Any], max_tokens: int) -> tuple[str, int] | None:
@@ -386,7 +388,7 @@ def inject(parsed: Parsed, host: str | None, port: int | None,
             return b"".join((head[:-1], b",", tail)), rooms
     body = dict(body)
     body.update(fields)
-    return _dumps(body, parsed.orjson_parsed), rooms
+    return dumps_body(body, parsed.orjson_parsed), rooms
 
 
 def with_rid(parsed: Parsed, rid: str | list[str] | None) -> bytes:
@@ -397,10 +399,10 @@ def with_rid(parsed: Parsed, rid: str | list[str] | None) -> bytes:
     body = dict(parsed.body)
     if rid is not None:
         body["rid"] = rid
-    return _dumps(body, parsed.orjson_parsed)
+    return dumps_body(body, parsed.orjson_parsed)
 
 
-def _dumps(body: dict[str, Any], orjson_parsed: bool) -> bytes:
+def dumps_body(body: dict[str, Any], orjson_parsed: bool) -> bytes:
     """``body`` as compact JSON in UTF-8. Not ``json.dumps``' default ASCII: it writes each
     non-ASCII character as ``\\uXXXX`` (twice the bytes of CJK text, three times those of
     accented Latin), so a body the router took could exceed the engines' body limit; orjson

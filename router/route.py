@@ -17,7 +17,7 @@ from typing import Any
 from router.capacity import Need
 from router.explain import explain
 from router.policy import RouteContext
-from router.requests import Parsed
+from router.requests import GENERATE, Parsed
 from router.state import Pair, RouterState
 
 
@@ -25,7 +25,8 @@ def route_context(parsed: Parsed) -> RouteContext:
     """What the policies look at for ``parsed``: built once per request and kept across its
     retries, so that its prompt is hashed once whatever the number of attempts. Its model is
     the one the parser settled (``Parsed.route_model``)."""
-    return RouteContext(parsed.prompts[0], parsed.route_model, parsed.hashes, parsed.samples)
+    return RouteContext(parsed.prompts[0], parsed.route_model, parsed.hashes, parsed.samples,
+                        vllm_pd=parsed.api != GENERATE and parsed.batch is None)
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,8 @@ class Decision:
             where = {"worker": {"instance_id": p.worker.instance_id, "url": p.worker.url},
                      "policy": {"worker": self.policy}}
         else:
-            where = {"prefill": {"instance_id": p.worker.instance_id, "url": p.worker.url,
+            where = {"pd_protocol": p.worker.protocol.label,
+                     "prefill": {"instance_id": p.worker.instance_id, "url": p.worker.url,
                                  "bootstrap_host": p.worker.bootstrap_host,
                                  "bootstrap_port": p.worker.bootstrap_port},
                      "decode": {"instance_id": d.worker.instance_id, "url": d.worker.url},

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from index.hashing import BASE_SEED
+from index.pd_protocol import SGLANG, SGLANG_BOOTSTRAP, VLLM, PDProtocol
 from index.reader import IndexReader, IndexStatus
 from index.tiers import TierMatch
 from router.canary import Canaries
@@ -16,7 +17,7 @@ from router.capacity import Capacity, Need, NoRoom
 from router.config import RouterConfig
 from router.discovery import InstanceDiscovery
 from router.engine_load import Thresholds, fresh
-from router.errors import NoWorkers, UnknownModel
+from router.errors import BadRequest, NoWorkers, UnknownModel
 from router.index_guards import IndexGuards
 from router.metrics import RouterMetrics
 from router.policies import make_policy
@@ -26,6 +27,7 @@ from router.shared_predictions import ShareStats
 from router.tokenizers import Tokenizers
 from router.workers import AGGREGATED, DECODE, PREFILL, Worker, WorkerPools
 
+SGLANG_KEY = SGLANG_BOOTSTRAP.pair_key
 PD, AGGREGATED_SHAPE = "pd", "aggregated"
 """The two shapes a request can be served in: a prefill/decode pair, or one aggregated worker."""
 
@@ -88,10 +90,12 @@ class RouterState:
         """What each worker states it holds and what the router's requests hold there; the
         queue of requests waiting for room (router/capacity.py)."""
         self.pools.listeners.append(self.capacity.on_worker)
+        static = PDProtocol.parse(config.pd_protocol)
         for url, port in config.prefill:
-            self.pools.add(PREFILL, url, bootstrap_port=port, model=config.model)
+            self.pools.add(PREFILL, url, bootstrap_port=port, model=config.model,
+                           protocol=static)
         for url in config.decode:
-            self.pools.add(DECODE, url, model=config.model)
+            self.pools.add(DECODE, url, model=config.model, protocol=static)
         for url in config.worker_urls:
             self.pools.add(AGGREGATED, url, model=config.model)
 
@@ -365,8 +369,33 @@ class RouterState:
             room = self.capacity.with_room
             prefills = room(prefills, need, False, PREFILL)
             decodes = room(decodes, need, True, DECODE)
-        return Pair(self.prefill_policy.select(prefills, ctx),
-                    self.decode_policy.select(decodes, ctx))
+        prefills = self._protocol_matched(prefills, decodes, ctx)
+        prefill = self.prefill_policy.select(prefills, ctx)
+        key = prefill.worker.protocol.pair_key
+        decodes = [d for d in decodes if d.protocol.pair_key == key]
+        return Pair(prefill, self.decode_policy.select(decodes, ctx))
+
+    def _protocol_matched(self, prefills: list[Worker], decodes: list[Worker],
+                          ctx: RouteContext) -> list[Worker]:
+        """The prefills that can serve ``ctx`` with one of ``decodes``: a pair's halves speak
+        the same PD protocol and mode (index/pd_protocol.py), vLLM's only for an OpenAI request
+        of one prompt, and a push prefill only once its identity is known."""
+        keys = {d.protocol.pair_key for d in decodes}
+        if keys == {SGLANG_KEY} and all(p.protocol.name == SGLANG for p in prefills):
+            return prefills  # the common fleet: one protocol, nothing to match
+        fit = [p for p in prefills if p.protocol.pair_key in keys
+               and (p.protocol.name == SGLANG or ctx.vllm_pd)
+               and not p.protocol.missing_identity()]
+        if fit:
+            return fit
+        if not ctx.vllm_pd and any(p.protocol.name == VLLM for p in prefills):
+            if not any(p.protocol.name == SGLANG and p.protocol.pair_key in keys
+                       for p in prefills):
+                raise BadRequest("", "the PD pairs here speak vLLM's protocol, which "
+                                 "serves /v1/completions and /v1/chat/completions with one "
+                                 "prompt each: send the request there")
+        raise NoWorkers(PREFILL, "no prefill has an available decode of its PD protocol "
+                        f"(prefills: {_labels(prefills)}; decodes: {_labels(decodes)})")
 
     def on_routed(self, pair: Pair) -> None:
         m = self.metrics
@@ -404,3 +433,14 @@ class RouterState:
         predicted = self.prefill_policy.predicted_blocks()
         if predicted is not None:
             m.predicted_blocks.set(predicted)
+
+
+def _labels(workers: list[Worker]) -> str:
+    """The PD protocols of ``workers``, each with its count, for an error message."""
+    counts: dict[str, int] = {}
+    for w in workers:
+        label = w.protocol.label
+        if w.protocol.missing_identity():
+            label += " without " + "/".join(w.protocol.missing_identity())
+        counts[label] = counts.get(label, 0) + 1
+    return ", ".join(f"{n} {label}" for label, n in sorted(counts.items())) or "none"

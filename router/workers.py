@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from index.pd_protocol import SGLANG_BOOTSTRAP, PDProtocol
 from index.record import AGGREGATED, DECODE, PREFILL, InstanceRecord, RecordReader
 from router.breaker import CircuitBreaker
 from router.config import RouterConfig, check_url
@@ -112,6 +113,9 @@ class Worker:
     """Its /server_info was read (or is not served): the health checks ask only once."""
     engine: EngineLoad | None = None
     """Its last ``/metrics`` reading (router/engine_load.py), when the router scrapes them."""
+    protocol: PDProtocol = SGLANG_BOOTSTRAP
+    """A prefill's or decode's PD protocol (its record's, or ``--pd-protocol`` for a static
+    one): a pair's halves must agree (``PDProtocol.pair_key``)."""
 
     def __post_init__(self) -> None:
         if self.bootstrap_host is None:
@@ -140,6 +144,7 @@ class Worker:
                 "healthy": self.healthy, "circuit": self.breaker.state, "load": self.load,
                 "requests": self.requests, "bootstrap_host": self.bootstrap_host,
                 "bootstrap_port": self.bootstrap_port, "shadowed_by": self.shadowed_by,
+                "pd_protocol": self.protocol.label if self.role != AGGREGATED else None,
                 "max_prompt_tokens": self.limits.prompt.value if self.limits.prompt else None,
                 "max_body_bytes": self.limits.body.value if self.limits.body else None,
                 "ignored_limits": {name: value for name, value in self.limits.ignored},
@@ -207,7 +212,8 @@ class WorkerPools:
     def add(self, role: str, url: str, *, instance_id: str | None = None,
             bootstrap_host: str | None = None, bootstrap_port: int | None = None,
             model: str | None = None, source: str = "static", ready: bool = True,
-            record: dict[str, Any] | None = None) -> Worker:
+            record: dict[str, Any] | None = None,
+            protocol: PDProtocol | None = None) -> Worker:
         """Add or update a worker; an update keeps its breaker, load and health. The admin
         API (``source`` ADMIN) gets ``DiscoveredWorker`` for an id or URL an etcd record names
         (a static flag's worker pairs with the record instead: see the module's docstring)."""
@@ -219,11 +225,15 @@ class WorkerPools:
             self.refuse_discovered(f"{source} worker {iid} at {url} is not added",
                                    instance_id=iid, url=url)
         self._models = None
+        if protocol is None:
+            # A record's (checked when it was read); an aggregated worker has none to speak.
+            protocol = (PDProtocol.from_dict(record.get("pd_protocol")) if record
+                        else SGLANG_BOOTSTRAP)
         worker = self.workers[role].get(iid)
         events: tuple[str, ...]
         if worker is None:
             worker = Worker(iid, role, url, self.new_breaker(), bootstrap_host, bootstrap_port,
-                            model, source, ready, record=record or {})
+                            model, source, ready, record=record or {}, protocol=protocol)
             self.workers[role][iid] = worker
             logger.info("%s worker %s joined (%s, %s)", role, iid, url, source)
             events = ("join",)
@@ -234,6 +244,7 @@ class WorkerPools:
             worker.bootstrap_port = bootstrap_port
             worker.model, worker.source, worker.ready = model, source, ready
             worker.record = record or {}
+            worker.protocol = protocol
             events = ("record",)
             if moved:
                 logger.info("%s worker %s moved to %s", role, iid, url)

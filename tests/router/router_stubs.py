@@ -47,6 +47,10 @@ class StubWorker:
         self.cached_tokens: int | None = None
         """When set, answers report it as ``meta_info.cached_tokens`` (a stream: every event
         carries the running count, as SGLang's do)."""
+        self.kv_params: bool = True
+        """A prefill asked ``do_remote_decode`` (vLLM's PD protocol) answers
+        ``kv_transfer_params`` naming its blocks, as vLLM's pull mode does; False: none (a
+        prefill that aborted)."""
         self._cancelled_more = asyncio.Event()
         self.in_flight: set[str] = set()
         """The ``rid`` values being served: a second one in flight gets a 409, as engines do."""
@@ -136,8 +140,12 @@ class StubWorker:
         meta: dict[str, Any] = {"id": rid or request.headers.get("x-request-id")}
         if self.cached_tokens is not None:
             meta["cached_tokens"] = self.cached_tokens
-        return web.json_response({"text": f"from {self.name}", "worker": self.name,
-                                  "room": body.get("bootstrap_room"), "meta_info": meta})
+        doc = {"text": f"from {self.name}", "worker": self.name,
+               "room": body.get("bootstrap_room"), "meta_info": meta}
+        params = body.get("kv_transfer_params")
+        if isinstance(params, dict) and params.get("do_remote_decode") and self.kv_params:
+            doc["kv_transfer_params"] = vllm_pull_params(self.name, request)
+        return web.json_response(doc)
 
     async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
@@ -157,6 +165,17 @@ class StubWorker:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def vllm_pull_params(engine_id: str, request: web.Request) -> dict[str, Any]:
+    """What a vLLM 0.33 prefill in pull mode answers (``pull_scheduler.request_finished``)."""
+    kind = "chatcmpl" if request.path.endswith("/chat/completions") else "cmpl"
+    return {"do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": [[3, 4, 5]], "remote_engine_id": engine_id,
+            "remote_request_id": f"{kind}-{request.headers.get('x-request-id')}-0a1b2c3d",
+            "remote_host": "10.0.0.7", "remote_port": 5600, "tp_size": 1, "dcp_size": 1,
+            "pp_size": 1, "remote_num_tokens": 12, "remote_blocks_expiry_time": None,
+            "remote_registration_generation": 0, "transfer_mode": "pull"}
 
 
 def router_config(prefills: list[StubWorker], decodes: list[StubWorker],
