@@ -25,8 +25,10 @@ the very same bodies.
 
     .venv/bin/python bench/router.py [--duration 4] [--rounds 3] [--concurrency 1 16 64]
     .venv/bin/python bench/router.py --tokenizer smollm2-135m --chat
+    .venv/bin/python bench/router.py --vllm-pd     # vLLM PD pairs vs vLLM's toy proxy
 
-Writes bench/results/router.json (router_chat_<tokenizer>.json with --chat).
+Writes bench/results/router.json (router_chat_<tokenizer>.json with --chat;
+router_vllm_pd.json with --vllm-pd, bench/_vllm_pd.py: part 1 only, on vLLM-protocol stubs).
 """
 from __future__ import annotations
 
@@ -404,8 +406,13 @@ def main() -> int:
                     help="send chat bodies with a shared system prompt and a new user turn each")
     ap.add_argument("--asyncio-too", action="store_true",
                     help="also measure kvatlas on the plain asyncio loop (--no-uvloop)")
+    ap.add_argument("--vllm-pd", action="store_true",
+                    help="vLLM PD pairs (kv_transfer_params, pull) through kvatlas vs vLLM's "
+                         "toy proxy, on stub workers (bench/_vllm_pd.py); nothing else")
     args = ap.parse_args()
     logdir = Path(tempfile.mkdtemp(prefix="kvatlas-bench-router-"))
+    if args.vllm_pd:
+        return vllm_pd(args, logdir)
     results: dict[str, Any] = {"cpus": os.cpu_count(), "tokenizer": args.tokenizer,
                                "bodies": "chat" if args.chat else "generate-text"}
     if not args.skip_http:
@@ -423,6 +430,19 @@ def main() -> int:
     out = ROOT / "bench" / "results" / name
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out} (router logs in {logdir})")
+    return 0
+
+
+def vllm_pd(args: argparse.Namespace, logdir: Path) -> int:
+    import _vllm_pd
+    from _results import write_result
+    print("vLLM PD (pull): kvatlas vs vLLM's toy proxy (closed loop)")
+    res = asyncio.run(_vllm_pd.run(args, logdir, closed_loop, start, stop, proc_cpu))
+    res["cpus"] = os.cpu_count()
+    _vllm_pd.print_table(res)
+    print(f"ratios kvatlas/proxy req/s: {res['ratios']} (goal >= 1.0)")
+    write_result(ROOT / "bench" / "results" / "router_vllm_pd.json", res)
+    print(f"router logs in {logdir}")
     return 0
 
 
