@@ -1,7 +1,7 @@
-"""vLLM's PD contract on real ``kvatlas engine serve`` processes: greedy output through a pair
-equals monolithic for TP (1,1) and (2,1) in pull and push modes, shared prefixes, many in flight;
-vLLM's own test proxy (``toy_proxy_server.py``, fetched unchanged) drives a pull pair; with etcd
-both records say ``pd_protocol`` (a prefill's with the identity a push router needs)."""
+"""vLLM's PD contract on real ``kvatlas engine serve`` processes: vLLM's own test proxy
+(``toy_proxy_server.py``, fetched unchanged) drives a pull pair; with etcd both records say
+``pd_protocol`` (a prefill's with the identity a push router needs). Greedy output through a
+pair driven by kvatlas's router process: test_pd_vllm_router.py."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +19,6 @@ import requests_shim as http
 from engine_helpers import shared_prefix_prompts
 from pd_helpers import monolithic
 from pd_procs import ROOT, _env, assert_at_rest, proc_pair
-from vllm_pd_client import pull, push
 from waiting import wait_until
 
 from index.keys import KeyLayout
@@ -39,33 +38,6 @@ def texts_of(want: list[list[int]]) -> list[str]:
     from engine.protocol import default_tokenizer
     tok = default_tokenizer()
     return [tok.decode(w) for w in want]
-
-
-@pytest.mark.parametrize("mode", ["vllm-pull", "vllm-push"])
-@pytest.mark.parametrize("tp,n,flight", [(1, 30, 10), (2, 100, 40)])
-async def test_pair_equals_monolithic(mode: str, tp: int, n: int, flight: int) -> None:
-    prompts = shared_prefix_prompts(n, seed=7 + tp, n_bases=4, base_len=(20, 60))
-    max_new = [2 + i % 4 for i in range(n)]
-    want = monolithic(prompts, max_new)
-    iid = f"pre-{mode}-{tp}"
-    with proc_pair("--pd-protocol", mode, prefill_extra=("--tp", str(tp), "--instance-id", iid)
-                   ) as (p, d):
-        gate = asyncio.Semaphore(flight)
-        async with aiohttp.ClientSession() as s:
-            async def one(ids: list[int], k: int) -> str:
-                async with gate:
-                    if mode == "vllm-pull":
-                        (ps, pdoc), (ds, ddoc) = await pull(s, p.url, d.url, body_of(ids, k))
-                    else:
-                        (ps, pdoc), (ds, ddoc) = await push(
-                            s, p.url, d.url, body_of(ids, k), engine_id=iid,
-                            host="127.0.0.1", port=p.bport or 0, tp_size=tp)
-                assert ps == 200 and ds == 200, (pdoc, ddoc, p.output(), d.output())
-                assert pdoc["kv_transfer_params"]["tp_size"] == tp
-                return str(ddoc["choices"][0]["text"])
-            got = await asyncio.gather(*(one(ids, k) for ids, k in zip(prompts, max_new)))
-            assert got == texts_of(want)
-            await wait_until(lambda: at_rest(s, p.url, d.url), what="both halves at rest")
 
 
 async def at_rest(s: Any, *urls: str) -> bool:
