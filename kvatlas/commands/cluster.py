@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from index.access import DEFAULT_LEASE_TTL, ClusterAccess, etcd_password
+from index.pd_protocol import CHOICES as PD_CHOICES
 from kvatlas.cli import CLIError
 from kvatlas.commands import _etcd_auth
 from kvatlas.commands._run_dir import DEFAULT_RUN_DIR
@@ -107,6 +108,10 @@ def add_instance_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aggregated", type=int, default=0,
                         help="aggregated instances: monolithic engines registered in etcd that "
                              "the router sends whole requests (default 0)")
+    parser.add_argument("--pd-protocol", default="sglang", choices=PD_CHOICES,
+                        help="the PD protocol the prefill and decode engines serve and the "
+                             "router drives: sglang (default: SGLang's bootstrap), vllm or "
+                             "vllm-pull (vLLM's kv_transfer_params, pull), vllm-push")
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
@@ -121,7 +126,8 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
                     prefill_dp=args.prefill_dp, decode_tp=args.decode_tp, model=args.model,
                     etcd_members=args.etcd_members, external_etcd=external,
                     etcd_client=client, lease_ttl=args.lease_ttl, engine_mode=args.engine_mode,
-                    index_shards=args.index_shards, etcd_auth=reused)
+                    index_shards=args.index_shards, etcd_auth=reused,
+                    pd_protocol=args.pd_protocol)
 
 
 def _refuse_running(run_dir: Path) -> None:
@@ -328,13 +334,15 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_compose(args: argparse.Namespace) -> int:
     if args.engine == "sglang":
-        if args.aggregated or args.prefill is not None or args.decode is not None:
-            raise CLIError("--prefill, --decode and --aggregated shape --engine kvatlas's "
+        if (args.aggregated or args.prefill is not None or args.decode is not None
+                or args.pd_protocol != "sglang"):
+            raise CLIError("--prefill, --decode, --aggregated and --pd-protocol shape --engine kvatlas's "
                            "compose file; the SGLang one has a fixed shape")
         from kvatlas.launcher.compose_sglang import sglang_compose_yaml
         sys.stdout.write(sglang_compose_yaml())
         return 0
     from kvatlas.launcher.compose import compose_topology, compose_yaml
     prefill, decode = instance_counts(args.prefill, args.decode, args.aggregated)
-    sys.stdout.write(compose_yaml(compose_topology(prefill, decode, args.aggregated)))
+    sys.stdout.write(compose_yaml(compose_topology(prefill, decode, args.aggregated,
+                                                   pd_protocol=args.pd_protocol)))
     return 0

@@ -30,11 +30,13 @@ ETCD_AUTH_SERVICE = "etcd-auth"
 kvatlas process starts (``kvatlas cluster etcd-auth``)."""
 
 
-def compose_topology(prefill: int = 2, decode: int = 1, aggregated: int = 0) -> Topology:
+def compose_topology(prefill: int = 2, decode: int = 1, aggregated: int = 0,
+                     pd_protocol: str = "sglang") -> Topology:
     """The compose cluster: 3 etcd members, two prefill instances, one decode, one router (and
     ``aggregated`` instances: monolithic engines registered in etcd, services
-    ``aggregated-N``)."""
+    ``aggregated-N``); the PD pairs speak ``pd_protocol``."""
     return Topology(prefill=prefill, decode=decode, aggregated=aggregated, etcd_members=3,
+                    pd_protocol=pd_protocol,
                     auth_token=AUTH_TOKEN_ENV,
                     admin_token=ADMIN_TOKEN_ENV, transfer_key=TRANSFER_KEY_ENV,
                     etcd_auth=EtcdAuth.compose_placeholders())

@@ -15,6 +15,7 @@ from typing import Protocol
 from bootstrap.config import AUTH_TOKEN_ENV
 from index.access import DEFAULT_LEASE_TTL, ETCD_PASSWORD_ENV, check_lease_ttl
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_model
+from index.pd_protocol import SGLANG_BOOTSTRAP, PDProtocol
 from kvatlas.etcd_proc import COMPACTION_ARGS, free_port
 from kvatlas.launcher.etcd_auth import EtcdAuth
 from router.config import ADMIN_TOKEN_ENV
@@ -223,6 +224,10 @@ class Topology:
     engine_mode: str = "pd"
     """``pd``: prefill and decode engine modes; ``monolithic``: monolithic engines stand in for
     both roles (the router lists them statically; no KV transfer)."""
+    pd_protocol: str = "sglang"
+    """How the router tells a prefill/decode pair to move KV (``index.pd_protocol``:
+    ``sglang``, ``vllm``/``vllm-pull`` or ``vllm-push``): each prefill and decode engine serves
+    it (``--pd-protocol``) and says so in its record, whence the router drives the pair."""
     etcd_auth: EtcdAuth | None = None
     """Credentials of the embedded etcds (``kvatlas.launcher.etcd_auth``): each process dials
     them as the user of its kind. None with embedded etcd: generated; an external etcd keeps
@@ -255,6 +260,12 @@ class Topology:
             raise ValueError("engine mode monolithic (unregistered stand-ins for prefill and "
                              "decode) and aggregated instances exclude each other: for "
                              "monolithic engines in etcd give aggregated instances alone")
+        protocol = PDProtocol.parse(self.pd_protocol)
+        if protocol != SGLANG_BOOTSTRAP and (self.engine_mode != "pd" or not self.prefill):
+            raise ValueError(f"--pd-protocol {self.pd_protocol} is the protocol of prefill and "
+                             "decode engines; this cluster has none (engine mode "
+                             f"{self.engine_mode}, {self.prefill} prefill): drop it, or use "
+                             "--engine-mode pd with prefill and decode instances")
         check_lease_ttl(self.lease_ttl)
         # Hex: a token must never start with "-", or argparse would read it as a flag.
         if self.auth_token is None:
@@ -360,8 +371,11 @@ class Topology:
 
     def _pd_flags(self, net: Network, name: str) -> list[str]:
         """Prefill and decode alike: the host peers dial (etcd url, bootstrap host, rank_ip)
-        and the bootstrap write token (required by prefills, sent by decodes)."""
-        return ["--advertise-host", net.host(name), "--auth-token", str(self.auth_token)]
+        and the bootstrap write token (required by prefills, sent by decodes); the PD protocol
+        when not SGLang's bootstrap (the engines' default, so SGLang clusters' lines stay)."""
+        protocol = [] if self.pd_protocol == "sglang" else ["--pd-protocol", self.pd_protocol]
+        return ["--advertise-host", net.host(name), "--auth-token", str(self.auth_token),
+                *protocol]
 
     def _prefill(self, net: Network, name: str) -> Service:
         port = net.port(name, "http")

@@ -18,7 +18,8 @@ import pytest
 import requests_shim as http
 from engine_helpers import shared_prefix_prompts
 from pd_helpers import monolithic
-from pd_procs import ROOT, _env, assert_at_rest, proc_pair
+from pd_procs import ROOT, _env, proc_pair
+from vllm_pd_client import at_rest, body_of, texts_of
 from waiting import wait_until
 
 from index.keys import KeyLayout
@@ -26,26 +27,6 @@ from index.record import InstanceRecord
 from kvatlas.etcd_proc import free_port
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def body_of(ids: list[int], n: int, **more: Any) -> dict[str, Any]:
-    return {"prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, **more}
-
-
-def texts_of(want: list[list[int]]) -> list[str]:
-    """The monolithic tokens as the tiny model's tokenizer writes them (OpenAI answers are
-    text)."""
-    from engine.protocol import default_tokenizer
-    tok = default_tokenizer()
-    return [tok.decode(w) for w in want]
-
-
-async def at_rest(s: Any, *urls: str) -> bool:
-    try:
-        await assert_at_rest(s, *urls)
-    except AssertionError:
-        return False
-    return True
 
 
 def load_proxy_fetcher() -> Any:

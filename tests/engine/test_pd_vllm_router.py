@@ -20,25 +20,14 @@ import pytest
 import requests_shim as http
 from engine_helpers import shared_prefix_prompts, wait_indexed
 from pd_helpers import monolithic
-from pd_procs import ROOT, _env, assert_at_rest, proc_pair
+from pd_procs import ROOT, _env, proc_pair
+from vllm_pd_client import at_rest, body_of, texts_of
 from waiting import wait_until
 
 from index.keys import KeyLayout
 from kvatlas.etcd_proc import free_port
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def body_of(ids: list[int], n: int, **more: Any) -> dict[str, Any]:
-    return {"prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, **more}
-
-
-def texts_of(want: list[list[int]]) -> list[str]:
-    """The monolithic tokens as the tiny model's tokenizer writes them (OpenAI answers are
-    text)."""
-    from engine.protocol import default_tokenizer
-    tok = default_tokenizer()
-    return [tok.decode(w) for w in want]
 
 
 @contextlib.contextmanager
@@ -71,14 +60,6 @@ def router_proc(etcd: str, prefix: str) -> Iterator[str]:
             proc.wait(5)
         log.close()
         Path(log.name).unlink(missing_ok=True)
-
-
-async def at_rest(s: Any, *urls: str) -> bool:
-    try:
-        await assert_at_rest(s, *urls)
-    except AssertionError:
-        return False
-    return True
 
 
 # One 100-prompt, 40-in-flight run per mode (TP (2,1)); TP (1,1) with a smaller set.

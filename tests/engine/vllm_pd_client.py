@@ -1,11 +1,13 @@
 """A minimal client of vLLM's PD wire contract (what a router does), for the vLLM-mode tests:
 pull sends the prefill first and hands its ``kv_transfer_params`` to the decode; push sends both
-at once, naming the prefill in advance."""
+at once, naming the prefill in advance. Also the bodies and checks those tests share."""
 from __future__ import annotations
 
 import asyncio
 import uuid
 from typing import Any
+
+from pd_procs import assert_at_rest
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                   "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
@@ -54,3 +56,25 @@ async def push(session: Any, p_url: str, d_url: str, body: dict[str, Any], *, en
                                 post(session, d_url + path, {**body, "kv_transfer_params": kv},
                                      rid))
     return p, d
+
+
+def body_of(ids: list[int], n: int, **more: Any) -> dict[str, Any]:
+    """A greedy OpenAI completion body of ``n`` new tokens for prompt ``ids``."""
+    return {"prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, **more}
+
+
+def texts_of(want: list[list[int]]) -> list[str]:
+    """The monolithic tokens as the tiny model's tokenizer writes them (OpenAI answers are
+    text)."""
+    from engine.protocol import default_tokenizer
+    tok = default_tokenizer()
+    return [tok.decode(w) for w in want]
+
+
+async def at_rest(s: Any, *urls: str) -> bool:
+    """Whether every worker at ``urls`` is at rest (``pd_procs.assert_at_rest``), to wait on."""
+    try:
+        await assert_at_rest(s, *urls)
+    except AssertionError:
+        return False
+    return True
