@@ -9,7 +9,11 @@ Fleets (``fleet``):
 - ``mixed``: both in one cluster. ``hide`` names a shape ("pd" or "aggregated") whose engines
   register under another key prefix, so the router (which discovers from etcd) sees only the
   other shape while the same processes run on the machine: the always-PD and always-aggregated
-  baselines of the mixed-fleet bench.
+  baselines of the mixed-fleet bench;
+- ``vllm-pd``: the ``pd`` fleet speaking vLLM's PD protocol (``--pd-protocol vllm-pull`` or
+  ``vllm-push`` on every engine, from ``args.vllm_mode``): the router reads each pair's protocol
+  from the records and drives it with ``kv_transfer_params``; the trace goes in as OpenAI
+  ``/v1/completions`` bodies (vLLM's API).
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ import _routing_trace as rt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
-FLEETS = ("pd", "aggregated", "mixed")
+FLEETS = ("pd", "aggregated", "mixed", "vllm-pd")
+VLLM_MODES = ("pull", "push")
 VARIANTS = {
     "kv_aware:gpu_only": ("--host-hit-weight", "0", "--disk-hit-weight", "0"),
     "kv_aware:no_share": ("--no-share-predictions",),
@@ -127,6 +132,9 @@ class Cluster:
             raise ValueError("hide only applies to the mixed fleet")
         self.args, self.etcd, self.prefix, self.logdir = args, etcd, prefix, logdir
         self.fleet, self.hide = fleet, hide
+        self.vllm_mode = getattr(args, "vllm_mode", "pull")
+        if fleet == "vllm-pd" and self.vllm_mode not in VLLM_MODES:
+            raise ValueError(f"vllm_mode must be one of {VLLM_MODES}, got {self.vllm_mode!r}")
         self.prefills: list[dict[str, Any]] = []
         self.decode: dict[str, Any] = {}
         self.aggregated: list[dict[str, Any]] = []
@@ -147,6 +155,8 @@ class Cluster:
             info["bport"] = free_port()
             args += ["--bootstrap-port", str(info["bport"]),
                      "--host-pages", str(getattr(self.args, "host_pages", 0))]
+        if self.fleet == "vllm-pd":
+            args += ["--pd-protocol", f"vllm-{self.vllm_mode}"]
         info["proc"] = Proc(f"{self.prefix.strip('/')}-{name}", args, self.logdir)
         self.procs.append(info["proc"])
         return info
@@ -166,7 +176,7 @@ class Cluster:
 
     def start_workers(self) -> None:
         a = self.args
-        if self.fleet in ("pd", "mixed"):
+        if self.fleet in ("pd", "mixed", "vllm-pd"):
             pre = self._prefix_of("pd")
             self.prefills = [self._engine("prefill", f"prefill-{i}", a.prefill_pages, pre)
                              for i in range(a.prefills)]
@@ -324,7 +334,8 @@ def run_router(args: argparse.Namespace, etcd: str, router: str, i: int, logdir:
         startup = time.monotonic() - t0
         puts0 = etcd_puts(etcd.split(",")[0])
         res = asyncio.run(rt.replay(cluster.router_urls, reqs, args.concurrency,
-                                    args.request_timeout))
+                                    args.request_timeout,
+                                    "completions" if fleet == "vllm-pd" else "generate"))
         time.sleep(0.3)
         res["etcd_puts"] = etcd_puts(etcd.split(",")[0]) - puts0
         res.update(cluster.engine_metrics())
@@ -340,6 +351,8 @@ def run_router(args: argparse.Namespace, etcd: str, router: str, i: int, logdir:
         res["routers"] = count
         res["startup_s"] = round(startup, 1)
         res["fleet"] = fleet
+        if fleet == "vllm-pd":
+            res["vllm_mode"] = cluster.vllm_mode
         return res
     finally:
         cluster.stop()

@@ -33,8 +33,11 @@ def print_table(result: dict[str, Any]) -> None:
             t.add_row(name, "-", "-", "-", "-", "-", "-", "-", "-", "-", r["error"][:40], "-")
             continue
         c = r["cached_tokens"]
+        # vllm-pd: push runs against push's round robin
+        base = runs.get("round_robin@push", {}).get("cached_tokens") if name.endswith(
+            "@push") else rr
         t.add_row(name, f"{c:.0f}", f"{100 * c / total:.1f}", f"{r['prefill_computed_tokens']:.0f}",
-                  f"{c / rr:.2f}x" if rr else "-", f"{c / ca:.2f}x" if ca else "-",
+                  f"{c / base:.2f}x" if base else "-", f"{c / ca:.2f}x" if ca else "-",
                   f"{c / off['oracle_belady']:.2f}" if off["oracle_belady"] else "-",
                   f"{r['ttft_p50_ms']}", f"{r['ttft_p90_ms']}",
                   f"{r['spread']:.2f}" if r.get("spread") else "-", str(r["errors"]),

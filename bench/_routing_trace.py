@@ -186,9 +186,10 @@ def mooncake_trace(path: str | Path, block_chars: int = 64, max_chars: int = 190
 # --- replay -----------------------------------------------------------------------------------
 
 async def replay(url: str | list[str], reqs: list[Req], concurrency: int,
-                 timeout: float) -> dict[str, Any]:
+                 timeout: float, api: str = "generate") -> dict[str, Any]:
     """Replay ``reqs`` through the router at ``url``; given several routers, request ``i`` goes
-    to router ``i mod n``, so the turns of one conversation are sprayed across them."""
+    to router ``i mod n``, so the turns of one conversation are sprayed across them.
+    ``api``: ``generate`` (SGLang's body) or ``completions`` (OpenAI's ``/v1/completions``)."""
     import aiohttp
 
     urls = [url] if isinstance(url, str) else list(url)
@@ -212,12 +213,17 @@ async def replay(url: str | list[str], reqs: list[Req], concurrency: int,
 
     async def one(session: aiohttp.ClientSession, r: Req) -> None:
         nonlocal meta_cached
-        body = {"text": r.text, "stream": True,
-                "sampling_params": {"max_new_tokens": r.max_new_tokens, "temperature": 0.0}}
+        body: dict[str, Any] = {"text": r.text, "stream": True, "sampling_params": {
+            "max_new_tokens": r.max_new_tokens, "temperature": 0.0}}
+        path = "/generate"
+        if api == "completions":
+            body = {"prompt": r.text, "stream": True, "max_tokens": r.max_new_tokens,
+                    "temperature": 0.0}
+            path = "/v1/completions"
         t0 = time.perf_counter()
         first = None
         last_meta: dict[str, Any] = {}
-        async with session.post(f"{urls[r.rid % len(urls)]}/generate", json=body) as resp:
+        async with session.post(f"{urls[r.rid % len(urls)]}{path}", json=body) as resp:
             if resp.status != 200:
                 errors.append(f"{resp.status}: {(await resp.text())[:200]}")
                 return

@@ -109,13 +109,22 @@ def serve_stubs(prefill_ports: list[int], decode_ports: list[int]) -> None:
         return web.json_response({"object": "list", "data": [
             {"id": "tiny", "object": "model", "root": "tiny", "max_model_len": 4096}]})
 
+    apps = [(p, prefill_app(p)) for p in prefill_ports] + [(p, decode_app())
+                                                           for p in decode_ports]
+    for _, app in apps:
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/models", models)
+    serve_apps(apps)
+
+
+def serve_apps(apps: list[tuple[int, Any]]) -> None:
+    """Serve each (port, aiohttp app) on loopback, say ``ready`` on stdout, run until
+    interrupted (the stub processes of bench/router.py's parts)."""
+    from aiohttp import web
+
     async def main() -> None:
         runners = []
-        apps = [(p, prefill_app(p)) for p in prefill_ports] + [(p, decode_app())
-                                                               for p in decode_ports]
         for port, app in apps:
-            app.router.add_get("/health", health)
-            app.router.add_get("/v1/models", models)
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -86,26 +86,18 @@ def serve_stubs(ports: list[int]) -> None:
         return web.json_response({"model_path": "tiny", "is_generation": True,
                                   "tokenizer_path": "tiny", "disaggregation_mode": "null"})
 
-    async def main() -> None:
-        runners = []
-        for port in ports:
-            app = web.Application(client_max_size=64 << 20)
-            for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
-                app.router.add_post(path, generate)
-            for path in ("/health", "/health_generate", "/get_model_info", "/get_server_info",
-                         "/model_info", "/server_info", "/v1/models"):
-                app.router.add_get(path, info)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            runners.append(runner)
-        print("ready", flush=True)
-        await asyncio.Event().wait()
+    from _vllm_pd import serve_apps
 
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
+    apps = []
+    for port in ports:
+        app = web.Application(client_max_size=64 << 20)
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            app.router.add_post(path, generate)
+        for path in ("/health", "/health_generate", "/get_model_info", "/get_server_info",
+                     "/model_info", "/server_info", "/v1/models"):
+            app.router.add_get(path, info)
+        apps.append((port, app))
+    serve_apps(apps)
 
 
 # --- load -------------------------------------------------------------------------------------

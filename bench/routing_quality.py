@@ -25,6 +25,13 @@ them from etcd (kv_aware ranks them by index match against load); sglang-router 
 mode (``--worker-urls URL... --policy cache_aware``, its approximate text tree per worker). Cached
 tokens are then summed over the aggregated engines.
 
+``--fleet vllm-pd``: the pd fleet speaking vLLM's PD protocol (NixlConnector's
+``kv_transfer_params``): every engine runs ``--pd-protocol vllm-pull`` or ``vllm-push``, the router
+reads the protocol from the records, and the trace goes in as OpenAI ``/v1/completions`` bodies.
+``--vllm-mode pull|push|both`` (default both): with both, every router runs in each mode (push runs
+are named ``ROUTER@push``) and the ratios include push's TTFT over pull's. Routers default to
+kv_aware and round_robin (sglang-router does not speak the protocol).
+
 Traces: ``--shape chat`` (default), ``rounds`` (the host-tier scenario: every conversation
 takes turn t before any takes turn t+1, with ``--host-pages``) and ``hot`` (a burst of 256
 requests sharing a 32-block prefix, all at once: the load-imbalance scenario), or ``--trace``
@@ -72,8 +79,27 @@ from _routing_report import print_table  # noqa: E402
 
 from kvatlas.etcd_proc import EtcdCluster  # noqa: E402
 
+VLLM_ROUTERS = ("kv_aware", "round_robin")
 ROUTERS = ("kv_aware", "kv_aware:gpu_only", "kv_aware:no_share", "round_robin", "power_of_two",
            "sglang:cache_aware")
+
+
+def vllm_ratios(runs: dict[str, Any]) -> dict[str, Any]:
+    """The vllm-pd fleet's: kv_aware over round robin in push mode (pull's is the plain one),
+    and each router's push TTFT p50 over its pull TTFT p50 (< 1: push is faster)."""
+    def get(name: str, key: str) -> float | None:
+        r = runs.get(name, {})
+        return r.get(key) if "error" not in r else None
+
+    kv, rr = get("kv_aware@push", "cached_tokens"), get("round_robin@push", "cached_tokens")
+    out: dict[str, Any] = {"kv_aware_vs_round_robin@push": round(kv / rr, 3) if kv and rr
+                           else None}
+    for name in runs:
+        if name.endswith("@push"):
+            pull, push = get(name[:-5], "ttft_p50_ms"), get(name, "ttft_p50_ms")
+            out[f"{name[:-5]}_push_vs_pull_ttft_p50"] = (round(push / pull, 3)
+                                                         if pull and push else None)
+    return out
 
 
 def main() -> int:
@@ -91,9 +117,13 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefills", type=int, default=3,
                    help="prefill instances (with --fleet aggregated: aggregated engines)")
-    p.add_argument("--fleet", choices=("pd", "aggregated"), default="pd",
+    p.add_argument("--fleet", choices=("pd", "aggregated", "vllm-pd"), default="pd",
                    help="pd: prefills + one decode; aggregated: monolithic engines registered "
-                        "as aggregated instances (sglang-router then runs in regular mode)")
+                        "as aggregated instances (sglang-router then runs in regular mode); "
+                        "vllm-pd: the pd fleet on vLLM's PD protocol (kv_transfer_params)")
+    p.add_argument("--vllm-mode", choices=("pull", "push", "both"), default="both",
+                   help="--fleet vllm-pd: the engines' mode (vllm-pull / vllm-push); both runs "
+                        "each router in each mode")
     p.add_argument("--prefill-pages", type=int, default=None,
                    help="KV pool pages per prefill = its prefix-cache capacity (default 300; "
                         "quick 200)")
@@ -107,8 +137,9 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=None,
                    help="requests in flight (default 6; the hot shape: all of them)")
     p.add_argument("--max-new-tokens", type=int, default=6)
-    p.add_argument("--routers", default=",".join(ROUTERS),
-                   help=f"comma-separated subset of {','.join(ROUTERS)}")
+    p.add_argument("--routers", default=None,
+                   help=f"comma-separated subset of {','.join(ROUTERS)} (default: all; "
+                        "vllm-pd: kv_aware,round_robin)")
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--kvatlas-arg", action="append", default=[],
                    help="extra kvatlas router flag (repeatable): --kvatlas-arg=--prediction-ttl "
@@ -146,10 +177,14 @@ def main() -> int:
         args.concurrency = 6
     if args.prefill_pages is None:
         args.prefill_pages = 200 if args.quick else 300
+    if args.routers is None:
+        args.routers = ",".join(VLLM_ROUTERS if args.fleet == "vllm-pd" else ROUTERS)
     routers = [r for r in args.routers.split(",") if r]
     for r in routers:
         if r not in ROUTERS:
             p.error(f"unknown router {r!r}")
+    if args.fleet == "vllm-pd" and any(r.startswith("sglang:") for r in routers):
+        p.error("sglang-router does not speak vLLM's PD protocol: drop it from --routers")
     if any(r.startswith("sglang:") for r in routers):
         try:
             import sglang_router  # noqa: F401
@@ -170,7 +205,8 @@ def main() -> int:
         "trace": {**trace_desc, "requests": len(reqs), "prompt_tokens": total,
                   "distinct_blocks": rt.distinct_blocks(reqs),
                   "max_prompt_tokens": max(len(rt.prompt_tokens(r.text)) for r in reqs)},
-        "setup": {"fleet": args.fleet, "prefills": n, "prefill_pages": args.prefill_pages,
+        "setup": {"fleet": args.fleet, "vllm_mode": args.vllm_mode if args.fleet == "vllm-pd"
+                  else None, "prefills": n, "prefill_pages": args.prefill_pages,
                   "host_pages": args.host_pages, "page_size": rt.BLOCK, "model": MODEL,
                   "decode_pages": args.decode_pages, "concurrency": args.concurrency,
                   "max_new_tokens": args.max_new_tokens,
@@ -187,10 +223,13 @@ def main() -> int:
     etcd.start()
     try:
         counts = [int(c) for c in args.router_counts.split(",") if c]
-        runs = [(r, c) for r in routers for c in (counts if not r.startswith("sglang:")
-                                                  else [1])]
-        for i, (router, count) in enumerate(runs):
+        modes = ((["pull", "push"] if args.vllm_mode == "both" else [args.vllm_mode])
+                 if args.fleet == "vllm-pd" else [None])
+        runs = [(r, c, m) for m in modes for r in routers
+                for c in (counts if not r.startswith("sglang:") else [1])]
+        for i, (router, count, mode) in enumerate(runs):
             t1 = time.monotonic()
+            args.vllm_mode = mode
             try:
                 res = run_router(args, etcd.endpoints, router, i, logdir, reqs, count,
                                  fleet=args.fleet)
@@ -199,6 +238,8 @@ def main() -> int:
             res.pop("ttft_ms_by_rid", None)
             if count != 1:
                 router = f"{router} x{count}"
+            if mode == "push":
+                router = f"{router}@push"
             result["runs"][router] = res
             if "error" in res:
                 print(f"  {router}: ERROR {res['error'][:500]}", flush=True)
@@ -222,6 +263,8 @@ def main() -> int:
         "kv_aware_vs_cache_aware": round(kv / ca, 3) if kv and ca else None,
         "kv_aware_vs_oracle": round(kv / offline["oracle_belady"], 3) if kv else None,
         "goal": "kv_aware >= 1.5x round_robin and > sglang cache_aware"}
+    if args.fleet == "vllm-pd":
+        result["ratios"].update(vllm_ratios(result["runs"]))
     result["total_s"] = round(time.monotonic() - t0, 1)
     result["logs"] = str(logdir)
     print_table(result)

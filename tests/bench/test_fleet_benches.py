@@ -4,26 +4,11 @@ bench/mixed_fleet.py): the mixed trace, and a real aggregated cluster replaying 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load(name: str):
-    # bench/ is not a package, and putting it first on sys.path would shadow the ``index``
-    # package with bench/index.py: load each module from its file, helpers first.
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
+from tests.bench.bench_modules import load as _load
 
 rt = _load("_routing_trace")
 _load("_results")
