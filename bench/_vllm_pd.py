@@ -157,13 +157,15 @@ def proxy_missing() -> str | None:
     return None
 
 
-async def wait_ready(url: str, body: bytes, timeout: float = 60.0) -> bool:
+async def wait_ready(url: str, body: bytes, path: str = "/v1/completions",
+                     timeout: float = 60.0) -> bool:
+    """Whether ``url`` answers ``body`` posted to ``path`` with 200 within ``timeout``."""
     import aiohttp
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
             try:
-                async with session.post(f"{url}/v1/completions", data=body,
+                async with session.post(f"{url}{path}", data=body,
                                         headers={"content-type": "application/json"}) as resp:
                     if resp.status == 200:
                         return True

@@ -148,17 +148,8 @@ async def closed_loop(url: str, concurrency: int, duration: float,
 
 
 async def wait_ready(url: str, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.post(f"{url}/generate", json={"text": "warm"}) as resp:
-                    if resp.status == 200:
-                        return True
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
-    return False
+    from _vllm_pd import wait_ready as post_until_ok
+    return await post_until_ok(url, b'{"text": "warm"}', "/generate", timeout)
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
