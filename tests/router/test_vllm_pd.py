@@ -167,7 +167,7 @@ async def test_push_names_the_prefill_in_advance_and_sends_both_at_once(
     for i in range(4):
         task = asyncio.create_task(client.post("/v1/completions", json={
             "prompt": f"push {i}", "max_tokens": 3}))
-        await wait_until(lambda: len(d.bodies) == i + 1,
+        await wait_until(lambda n=i + 1: len(d.bodies) == n,
                      what="the decode was sent its request while the prefill computed")
         p.hold.set()
         resp = await task
@@ -217,3 +217,33 @@ async def test_sglang_and_vllm_pairs_serve_side_by_side(stubs: Any, start_router
     assert all("bootstrap_room" in b and "kv_transfer_params" not in b for b in ds.bodies)
     assert all("kv_transfer_params" in b and "bootstrap_room" not in b
                for b in dv.bodies + pv.bodies)
+
+
+async def test_the_per_request_choice_spans_vllm_pairs_and_aggregated_workers(
+        stubs: Any, start_router: Any, register: Any, etcd_settings: Any,
+        key_prefix: str) -> None:
+    (pv,), (dv,), (agg,) = await stubs("prefill"), await stubs("decode"), await stubs("decode")
+    await register("p-vllm", {"role": "prefill", "url": pv.url, "model": "m",
+                              "pd_protocol": {"name": "vllm"}})
+    await register("d-vllm", {"role": "decode", "url": dv.url, "model": "m",
+                              "pd_protocol": {"name": "vllm"}})
+    await register("a0", {"role": "aggregated", "url": agg.url, "model": "m"})
+    client = await start_router(RouterConfig(etcd=etcd_settings, etcd_prefix=key_prefix,
+                                             health_interval=60, tokenizers={None: "byte"},
+                                             disagg_tokens=64))
+
+    async def listed() -> bool:
+        workers = await (await client.get("/workers")).json()
+        return all(len(workers[r]) == 1 for r in ("prefill", "decode", "aggregated"))
+    await wait_until(listed, what="the router lists the vLLM pair and the aggregated worker")
+    short = await client.post("/v1/completions", json={"prompt": "short one"})
+    long = await client.post("/v1/completions", json={"prompt": "long " * 40})
+    assert short.status == long.status == 200
+    # Under the threshold the aggregated worker serves it whole; over it, the vLLM pair.
+    assert len(agg.bodies) == 1 and "kv_transfer_params" not in agg.bodies[0]
+    assert len(pv.bodies) == len(dv.bodies) == 1
+    assert dv.bodies[0]["kv_transfer_params"]["remote_engine_id"] == "prefill0"
+    assert await client.metric_lines("kvatlas_router_disagg_decisions_total") == [
+        'kvatlas_router_disagg_decisions_total{path="aggregated",reason="short_uncached"} 1.0',
+        'kvatlas_router_disagg_decisions_total{path="pd",reason="long_uncached"} 1.0']
+
