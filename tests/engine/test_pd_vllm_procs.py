@@ -1,12 +1,11 @@
 """vLLM's PD contract on real ``kvatlas engine serve`` processes: vLLM's own test proxy
-(``toy_proxy_server.py``, fetched unchanged) drives a pull pair; with etcd both records say
-``pd_protocol`` (a prefill's with the identity a push router needs). Greedy output through a
-pair driven by kvatlas's router process: test_pd_vllm_router.py."""
+(``toy_proxy_server.py``, fetched unchanged) drives a pull pair. Greedy output through a pair
+driven by kvatlas's router process, and the records that say ``pd_protocol``:
+test_pd_vllm_router.py."""
 from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import subprocess
 import sys
 import time
@@ -22,8 +21,6 @@ from pd_procs import ROOT, _env, proc_pair
 from vllm_pd_client import at_rest, body_of, texts_of
 from waiting import wait_until
 
-from index.keys import KeyLayout
-from index.record import InstanceRecord
 from kvatlas.etcd_proc import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -73,20 +70,3 @@ async def test_vllms_toy_proxy_drives_a_pull_pair() -> None:
         finally:
             proc.terminate()
             proc.wait(15)
-
-
-async def test_records_say_pd_protocol(etcd_endpoint: str, key_prefix: str, etcd: Any) -> None:
-    layout = KeyLayout(prefix=key_prefix)
-    flags = ("--pd-protocol", "vllm-push", "--etcd", etcd_endpoint, "--etcd-prefix", key_prefix)
-    with proc_pair(*flags, prefill_extra=("--instance-id", "pre-v", "--tp", "2"),
-                   decode_extra=("--instance-id", "dec-v")) as (p, d):
-        async def both() -> bool:
-            return all([await etcd.get(layout.instance(i)) for i in ("pre-v", "dec-v")])
-        await wait_until(both, what="both records are in etcd")
-        pre = InstanceRecord.from_json((await etcd.get(layout.instance("pre-v"))).value)
-        dec = InstanceRecord.from_json((await etcd.get(layout.instance("dec-v"))).value)
-        assert pre.pd_protocol.to_dict() == {"name": "vllm", "mode": "push", "engine_id": "pre-v",
-                                             "host": "127.0.0.1", "port": p.bport, "tp_size": 2}
-        assert dec.pd_protocol.to_dict() == {"name": "vllm", "mode": "push", "engine_id": None,
-                                             "host": None, "port": None, "tp_size": None}
-        assert json.loads((await etcd.get(layout.instance("pre-v"))).value)["pd_protocol"]

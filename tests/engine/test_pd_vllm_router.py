@@ -25,6 +25,7 @@ from vllm_pd_client import at_rest, body_of, texts_of
 from waiting import wait_until
 
 from index.keys import KeyLayout
+from index.record import InstanceRecord
 from kvatlas.etcd_proc import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -77,6 +78,19 @@ async def test_pair_through_the_router_equals_monolithic(
     with proc_pair(*common, prefill_extra=("--tp", str(tp), "--instance-id", iid),
                    decode_extra=("--instance-id", f"dec-{mode}-{tp}")) as (p, d), \
             router_proc(etcd_endpoint, key_prefix) as url:
+        # The router found the pair through these: each record says the protocol, a push
+        # prefill's with the identity the router names to the decode.
+        layout = KeyLayout(prefix=key_prefix)
+        pre, dec = [InstanceRecord.from_json((await etcd.get(layout.instance(i))).value)
+                    for i in (iid, f"dec-{mode}-{tp}")]
+        short = mode.split("-")[1]
+        assert (pre.pd_protocol.name, pre.pd_protocol.mode) == ("vllm", short), pre
+        if short == "push":
+            assert pre.pd_protocol.to_dict() == {
+                "name": "vllm", "mode": "push", "engine_id": iid, "host": "127.0.0.1",
+                "port": p.bport, "tp_size": tp}
+        assert dec.pd_protocol.to_dict() == {"name": "vllm", "mode": short, "engine_id": None,
+                                             "host": None, "port": None, "tp_size": None}
         gate = asyncio.Semaphore(flight)
         async with aiohttp.ClientSession() as s:
             async def one(ids: list[int], k: int) -> str:
@@ -90,11 +104,11 @@ async def test_pair_through_the_router_equals_monolithic(
             # request in this mode with the prefill's params (pull) or identity (push).
             async with s.get(url + "/metrics") as r:
                 metrics = await r.text()
-            label = f'mode="{mode.split("-")[1]}",params="given"'
+            label = f'mode="{short}",params="given"'
             counted = [line for line in metrics.splitlines()
                        if line.startswith("kvatlas_router_vllm_pd_requests_total")
                        and label in line]
             assert counted and sum(float(x.rsplit(" ", 1)[1]) for x in counted) == n, metrics
             await wait_until(lambda: at_rest(s, p.url, d.url), what="both halves at rest")
         # The prefill computed the prompts: its KV events put their blocks in the index.
-        await wait_indexed(etcd, KeyLayout(prefix=key_prefix), iid, max(prompts, key=len))
+        await wait_indexed(etcd, layout, iid, max(prompts, key=len))
