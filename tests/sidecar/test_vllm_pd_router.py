@@ -11,13 +11,10 @@ from typing import Any
 import aiohttp
 import pytest
 from sidecar_procs import Router
-from test_vllm_sidecar_pd import MODEL, PROMPT, PDProcs, records, seen
+from test_vllm_sidecar_pd import MODEL, PROMPT, PDProcs, records, seen, wait_prompt_indexed
 from waiting import wait_until
 
 from index.etcd import EtcdClient, EtcdSettings
-from index.hashing import block_hashes
-from index.segments import held_blocks
-from tokenization import load_tokenizer
 
 pytestmark = pytest.mark.timeout(180)
 ENGINE_ID = "prefill-engine-r"
@@ -80,11 +77,4 @@ async def test_router_drives_a_sidecar_attached_vllm_pair(
                 assert params["remote_block_ids"], params
                 assert "remote_blocks_expiry_time" in params, params
 
-        ids = load_tokenizer("byte").encode(PROMPT)
-        want = set(block_hashes(ids, 16))
-
-        async def held() -> bool:
-            _, kvs = await etcd.get_prefix(p.layout.blocks_prefix(MODEL, "p0"))
-            return want <= set(held_blocks(kv.value for kv in kvs))
-        await wait_until(held, what="the index holds the prompt's blocks under p0 (from the "
-                         "vLLM producer's KV events)", detail=p.output)
+        await wait_prompt_indexed(etcd, p, "vLLM producer")

@@ -108,6 +108,20 @@ async def seen(url: str) -> list[dict[str, Any]]:
             return (await resp.json())["requests"]
 
 
+async def wait_prompt_indexed(etcd: EtcdClient, p: Any, who: str) -> list[int]:
+    """Until the index holds ``PROMPT``'s blocks under p0, from the KV events of ``who``
+    (``p``: the PDProcs whose output explains a timeout); PROMPT's token ids."""
+    ids = load_tokenizer("byte").encode(PROMPT)
+    want = set(block_hashes(ids, 16))
+
+    async def held() -> bool:
+        _, kvs = await etcd.get_prefix(p.layout.blocks_prefix(MODEL, "p0"))
+        return want <= set(held_blocks(kv.value for kv in kvs))
+    await wait_until(held, what=f"the index holds the prompt's blocks under p0 (from the "
+                     f"{who}'s KV events)", detail=p.output)
+    return ids
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 async def test_vllm_pd_halves_are_registered_with_their_protocol_and_indexed(
         etcd_endpoint: str, etcd_settings: EtcdSettings, procs: list[PDProcs],
@@ -134,14 +148,7 @@ async def test_vllm_pd_halves_are_registered_with_their_protocol_and_indexed(
                                              "stream": False,
                                              "kv_transfer_params": PREFILL_PARAMS}, "r1")
         assert status == 200, answer
-        ids = load_tokenizer("byte").encode(PROMPT)
-        want = set(block_hashes(ids, 16))
-
-        async def held() -> bool:
-            _, kvs = await etcd.get_prefix(p.layout.blocks_prefix(MODEL, "p0"))
-            return want <= set(held_blocks(kv.value for kv in kvs))
-        await wait_until(held, what="the index holds the prompt's blocks under p0 (from the "
-                         "vLLM prefill's KV events)", detail=p.output)
+        ids = await wait_prompt_indexed(etcd, p, "vLLM prefill")
     params = answer["kv_transfer_params"]
     assert params["transfer_mode"] == mode and params["remote_engine_id"] == "prefill-engine-a"
     assert params["remote_request_id"].startswith("cmpl-r1-")
