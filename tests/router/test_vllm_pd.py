@@ -247,3 +247,17 @@ async def test_the_per_request_choice_spans_vllm_pairs_and_aggregated_workers(
         'kvatlas_router_disagg_decisions_total{path="aggregated",reason="short_uncached"} 1.0',
         'kvatlas_router_disagg_decisions_total{path="pd",reason="long_uncached"} 1.0']
 
+
+
+@pytest.mark.parametrize("body", [
+    b'{"prompt": "x"', b'{"prompt": ""}', b'{"prompt": "x", "max_tokens": -1}',
+    b'{"prompt": "x", "n": 0}', b'{"messages": "hi"}', b'[1, 2]'])
+async def test_bad_bodies_never_reach_a_vllm_pair(body: bytes, stubs: Any,
+                                                  start_router: Any) -> None:
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    client = await start_router(vllm_config([p], [d]))
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    resp = await client.post(path, data=body, headers={"content-type": "application/json"})
+    assert resp.status == 400, await resp.text()
+    assert (await resp.json())["error"]["message"]
+    assert p.bodies == [] and d.bodies == []
