@@ -30,11 +30,10 @@ from bootstrap.http_limits import make_runner
 from bootstrap.registration import put_route
 from bootstrap.server import STATE as BOOTSTRAP_STATE
 from bootstrap.server import create_app as create_bootstrap_app
-from engine import server as mono
 from engine.errors import BadRequest, CapacityError
 from engine.http_common import json_error, until_disconnected
 from engine.pd.batch import PDItem, answer_batch, item_ids, read_pd_items
-from engine.pd.common import Bootstrap, start_group_leader, worker_app
+from engine.pd.common import Bootstrap, start_group_leader
 from engine.pd.config import PDConfig
 from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, rank_route, start_engine
 from engine.ranks.replica import ReplicatedScheduler
@@ -402,18 +401,3 @@ async def start_bootstrap(cfg: PDConfig, ranks: RankContext, bport: int,
     feed.start()
     stack.push_async_callback(feed.close)
     return pipeline.writer, feed.sink
-
-
-def create_prefill_app(cfg: PDConfig, ranks: RankContext | None = None) -> web.Application:
-    # OpenAI requests (SGLang's bootstrap or vLLM's params) are served beside this module's
-    # flow, which they reuse; imported here, as that module imports this one
-    from engine.pd.prefill_vllm import chat_completions, completions
-
-    app = worker_app(cfg, prefill_ctx, generate)
-    app[CFG_KEY] = cfg
-    app[RANKS_KEY] = ranks or RankContext()
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/debug/pd", stats_get)
-    app.router.add_post("/flush_cache", mono.flush_cache)
-    return app

@@ -117,7 +117,7 @@ def run_rank(cfg: PDConfig, world_rank: int, init_addr: str | None,
             mine = replace(cfg, engine=replace(cfg.engine, port=port), bootstrap_port=bport)
             ranks = RankContext(info, dist, bport, dp_urls, events or [], replays)
             if cfg.mode == "prefill":
-                from engine.pd.prefill import create_prefill_app as make
+                from engine.pd.prefill_app import create_prefill_app as make
             else:
                 from engine.pd.decode import create_decode_app as make
             app = make(mine, ranks)

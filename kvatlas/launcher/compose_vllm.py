@@ -75,18 +75,18 @@ class VllmTopology(Topology):
     block_size: int = 16
     """vLLM's ``--block-size``, the sidecars' and the router's: any other size is refused."""
     kv_topic: str = "kv-events"
-    pd_protocol: str = "vllm-pull"
-    """Prefills and decodes: ``vllm-pull`` (NixlConnector) or ``vllm-push``
-    (NixlPushConnector); one mode for all (the two refuse each other)."""
 
     def __post_init__(self) -> None:
+        # ``pd_protocol`` (Topology's field): with prefills and decodes, ``vllm-pull``
+        # (NixlConnector) or ``vllm-push`` (NixlPushConnector), one mode for all (the two
+        # refuse each other); aggregated engines have none.
         super().__post_init__()
-        if self.pd_protocol not in CONNECTORS:
-            raise ValueError(f"pd_protocol must be one of {list(CONNECTORS)}, got "
-                             f"{self.pd_protocol!r}")
         if self.aggregated and (self.prefill or self.decode):
             raise ValueError("give aggregated vLLM engines, or vLLM prefills and decodes, not "
                              "both in one file")
+        if (self.prefill or self.decode) and self.pd_protocol not in CONNECTORS:
+            raise ValueError(f"pd_protocol must be one of {list(CONNECTORS)}, got "
+                             f"{self.pd_protocol!r}")
 
     def router_tokenizer(self) -> str | None:
         return f"{self.served_model}={self.tokenizer}"

@@ -14,7 +14,8 @@ from yarl import URL
 
 from engine.pd.config import PDConfig
 from engine.pd.decode import DECODE_KEY, create_decode_app
-from engine.pd.prefill import PREFILL_KEY, create_prefill_app
+from engine.pd.prefill import PREFILL_KEY
+from engine.pd.prefill_app import create_prefill_app
 from engine.runner import build_scheduler, run_to_completion
 from engine.sampling import SamplingParams
 from engine.scheduler import Request

@@ -23,6 +23,7 @@ from pd_helpers import pd_config
 
 import engine.server as mono
 from engine.pd import prefill
+from engine.pd.prefill_app import create_prefill_app
 from engine.pd.state import RankContext
 from engine.runner import AsyncEngine
 from index import pipeline
@@ -139,7 +140,7 @@ async def test_failed_start_leaves_nothing(step: str, monkeypatch: pytest.Monkey
     tasks_before = asyncio.all_tasks() - {me}
     ports_before = listening_ports()
     leases_before = await lease_ids(etcd_endpoint)
-    runner = web.AppRunner(prefill.create_prefill_app(cfg, ranks))
+    runner = web.AppRunner(create_prefill_app(cfg, ranks))
     try:
         if step == "none":
             await runner.setup()
