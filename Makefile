@@ -30,7 +30,7 @@ $(VLLM_PROXY): tests/peers/vllm_proxy.py | $(STAMP)
 
 test: $(STAMP) $(VLLM_PROXY)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2
 
 clean:
 	rm -rf $(VENV) .kvatlas .pytest_cache .hypothesis

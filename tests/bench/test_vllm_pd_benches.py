@@ -69,9 +69,12 @@ def test_vllm_pd_fleet_caches_a_shared_prefix_through_kv_aware(etcd_endpoint: st
     system = "<|system|>\nshared: " + "kernel cache route token " * 20
     texts = [system + "q1", system + "q1 a1 q2", system + "other"]
     reqs = [rt.Req(i, t, 2, session="s") for i, t in enumerate(texts)]
+    # A request can take seconds on a loaded machine: the router's predictions of the earlier
+    # turns must bridge the index's lag for that long (by default 5 s), or the test measures
+    # the machine's load, not the routing.
     args = argparse.Namespace(prefills=2, prefill_pages=64, decode_pages=256, concurrency=1,
-                              request_timeout=60.0, kvatlas_arg=[], sglang_arg=[],
-                              vllm_mode=mode)
+                              request_timeout=60.0, sglang_arg=[], vllm_mode=mode,
+                              kvatlas_arg=["--prediction-catch-up", "60"])
     res = rc.run_router(args, etcd_endpoint, "kv_aware", 0, tmp_path, reqs, fleet="vllm-pd")
     assert res["errors"] == 0 and res["ok"] == 3, res.get("error_samples")
     assert res["fleet"] == "vllm-pd" and res["vllm_mode"] == mode
