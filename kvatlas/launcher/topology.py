@@ -104,7 +104,14 @@ class LocalNetwork:
     def port(self, service: str, purpose: str) -> int:
         key = (service, purpose)
         if key not in self.fixed:
-            self.fixed[key] = free_port(self.listen_host)
+            # A probed port is free only until someone binds it, and nothing here is bound
+            # before every port is picked: the kernel may hand one out twice (a router once
+            # got a prefill's port, and its health check answered from the prefill).
+            taken = set(self.fixed.values())
+            port = free_port(self.listen_host)
+            while port in taken:
+                port = free_port(self.listen_host)
+            self.fixed[key] = port
         return self.fixed[key]
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvatlas.launcher import topology
 from kvatlas.launcher.topology import EtcdClientFlags, LocalNetwork, Topology
 
 
@@ -114,3 +115,20 @@ def test_aggregated_instances_register_in_etcd_alone_or_beside_pd() -> None:
 def test_bad_aggregated_topologies_are_refused(kw: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         Topology(**kw)  # type: ignore[arg-type]
+
+
+def test_a_local_network_never_hands_out_one_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel may return a probed port again before anyone bound it: scripted here.
+    probes = iter([41000, 41000, 41000, 41001])
+    monkeypatch.setattr(topology, "free_port", lambda host: next(probes))
+    net = LocalNetwork()
+    assert (net.port("prefill-1", "http"), net.port("router", "http")) == (41000, 41001)
+    assert net.port("prefill-1", "http") == 41000  # kept once given
+
+
+def test_every_port_of_a_local_cluster_is_distinct() -> None:
+    net = LocalNetwork(data_root="/tmp/x")
+    services = Topology(prefill=4, decode=2, aggregated=2, etcd_members=3).services(net)
+    assert services
+    ports = list(net.fixed.values())
+    assert len(ports) == len(set(ports)) >= 15, net.fixed
