@@ -291,7 +291,9 @@ class RouterState:
             agg = None
         try:
             pd: Pair | None = self._select_pd(ctx, exclude, need, unfit)
-        except (NoWorkers, NoRoom):
+        except (NoWorkers, NoRoom, BadRequest):
+            # BadRequest: no pair here speaks a protocol that carries this request (a
+            # /generate with vLLM pairs only); an aggregated worker still serves it.
             if agg is None:
                 raise
             pd = None

@@ -246,6 +246,9 @@ async def test_the_per_request_choice_spans_vllm_pairs_and_aggregated_workers(
     assert await client.metric_lines("kvatlas_router_disagg_decisions_total") == [
         'kvatlas_router_disagg_decisions_total{path="aggregated",reason="short_uncached"} 1.0',
         'kvatlas_router_disagg_decisions_total{path="pd",reason="long_uncached"} 1.0']
+    # A /generate, which no vLLM pair carries, is the aggregated worker's whatever its length.
+    resp = await client.post("/generate", json={"text": "long " * 40})
+    assert resp.status == 200 and len(agg.bodies) == 2 and len(pv.bodies) == 1
 
 
 
