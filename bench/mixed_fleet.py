@@ -3,6 +3,7 @@ between them against always-PD and always-aggregated.
 
     .venv/bin/python bench/mixed_fleet.py                       # ~3 min on 2 cores
     .venv/bin/python bench/mixed_fleet.py --quick --sweep ""    # < 1 min
+    .venv/bin/python bench/mixed_fleet.py --probe               # why long prompts slow down
 
 Every setting starts a fresh local cluster (``bench/_routing_cluster.py``, the routing-quality
 bench's): ``--prefills`` prefills of the ``tiny`` model and one decode (the PD pool), and
@@ -142,6 +143,29 @@ def print_table(result: dict[str, Any]) -> None:
           "machine: client, router, etcd and every engine contend for the same CPUs.")
 
 
+def probe(args: argparse.Namespace, etcd: str, logdir: Path, reqs: list[rt.Req],
+          kinds: dict[int, str], result: dict[str, Any]) -> int:
+    """``--probe``: the three settings of bench/_mixed_probe.py, their summaries and each long
+    prompt's prefill under each."""
+    import _mixed_probe as mp
+
+    runs: dict[str, dict[str, Any]] = {}
+    for i, (name, hide, load) in enumerate(mp.PROBES):
+        runs[name] = mp.run_probe(args, etcd, i, logdir, reqs, kinds, name, hide, load)
+        s = mp.summary(runs[name])
+        result["runs"][name] = s
+        print(f"  {name:16s} " + "  ".join(f"{k} p50 {s[k]['p50']} mean {s[k]['mean']}"
+                                            for k in ("short", "long", "opener"))
+              + f"  prefill call mean {s['prefill_mean_ms']} ms over {s['prefill_calls']:.0f}"
+              f", PD TTFT mean {s['pd_ttft_mean_ms']}"
+              f"  long at {s['long_where']} {s['long_shapes']}  errors {s['errors']}",
+              flush=True)
+    result["long_routes"] = mp.long_routes(runs)
+    result["rows"] = {name: run["rows"] for name, run in runs.items()}
+    write_result(args.out, result)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a smaller trace")
@@ -156,8 +180,16 @@ def main() -> int:
     p.add_argument("--sweep", default="128,256,1024,2048",
                    help="comma-separated disagg thresholds to run `choice` at as well ('' none)")
     p.add_argument("--request-timeout", type=float, default=120.0)
-    p.add_argument("--out", default=str(ROOT / "bench/results/mixed_fleet.json"))
+    p.add_argument("--probe", action="store_true",
+                   help="run always_pd, always_pd+load (short prompts straight to the aggregated "
+                        "engines) and choice with per-request routes instead (bench/_mixed_probe.py)")
+    p.add_argument("--out", default=None,
+                   help="result file (default bench/results/mixed_fleet.json, with --probe "
+                        "mixed_fleet_probe.json)")
     args = p.parse_args()
+    if args.out is None:
+        args.out = str(ROOT / "bench/results" / ("mixed_fleet_probe.json" if args.probe
+                                                 else "mixed_fleet.json"))
     sweep = [int(x) for x in args.sweep.split(",") if x]
     kw = (dict(short=12, long=5, conversations=3, turns=3) if args.quick
           else dict(short=30, long=12, conversations=6, turns=4))
@@ -178,6 +210,11 @@ def main() -> int:
     t0 = time.monotonic()
     etcd = EtcdCluster(1, log_dir=logdir)
     etcd.start()
+    if args.probe:
+        try:
+            return probe(args, etcd.endpoints, logdir, reqs, kinds, result)
+        finally:
+            etcd.stop()
     try:
         for i, (name, hide, extra) in enumerate(settings(sweep)):
             try:

@@ -14,6 +14,7 @@ rt = _load("_routing_trace")
 _load("_results")
 rc = _load("_routing_cluster")
 mf = _load("mixed_fleet")
+mp = _load("_mixed_probe")
 
 
 def test_mixed_trace_has_every_kind_and_conversations_grow() -> None:
@@ -46,6 +47,23 @@ def test_summarize_splits_ttft_by_kind_and_reads_decisions() -> None:
     assert s["throughput_rps"] == 2.0
     assert s["decisions"] == {"pd:long_uncached": 2.0, "aggregated:short_uncached": 2.0}
     assert "ttft_ms_by_rid" not in res
+
+
+def test_probe_summary_sets_pd_ttft_against_the_prefill_and_names_long_routes() -> None:
+    rows = {0: {"kind": "short", "direct": True, "ttft_ms": 10.0},
+            1: {"kind": "long", "where": "prefill-0", "shape": "pd", "ttft_ms": 300.0},
+            2: {"kind": "long", "where": "prefill-1", "shape": "pd", "ttft_ms": 500.0},
+            3: {"kind": "opener", "where": "prefill-0", "shape": "pd", "ttft_ms": 400.0},
+            4: {"kind": "short", "error": "TimeoutError: "}}
+    run = {"rows": rows, "prefill_calls": 3.0, "prefill_mean_ms": 350.0}
+    s = mp.summary(run)
+    assert s["long"] == {"n": 2, "p50": 500.0, "mean": 400.0} and s["errors"] == 1
+    # the direct short prompt is no PD request: three PD TTFTs, 400 ms mean, 50 outside
+    assert s["pd_ttft_mean_ms"] == 400.0 and s["pd_outside_prefill_ms"] == 50.0
+    assert s["long_where"] == {"prefill-0": 1, "prefill-1": 1} and s["long_shapes"] == ["pd"]
+    other = {"rows": {1: {"kind": "long", "where": "prefill-1"}, 2: {"kind": "long"}}}
+    assert mp.long_routes({"a": run, "b": other}) == {
+        1: {"a": "prefill-0", "b": "prefill-1"}, 2: {"a": "prefill-1", "b": None}}
 
 
 def test_cluster_rejects_hiding_outside_a_mixed_fleet(tmp_path: Path) -> None:
