@@ -43,17 +43,6 @@ async def replay_split(router: str, direct: list[str], reqs: list[rt.Req], kinds
     Per request: TTFT (ms), where it went (``X-Kvatlas-Route``'s prefill or worker), errors."""
     import aiohttp
 
-    done = {r.rid: asyncio.Event() for r in reqs}
-    prev: dict[int, int] = {}
-    last: dict[str, int] = {}
-    for r in reqs:
-        if r.session is not None:
-            if r.session in last:
-                prev[r.rid] = last[r.session]
-            last[r.session] = r.rid
-    queue: asyncio.Queue[rt.Req] = asyncio.Queue()
-    for r in reqs:
-        queue.put_nowait(r)
     out: dict[int, dict[str, Any]] = {}
     sent_direct = 0
 
@@ -82,23 +71,10 @@ async def replay_split(router: str, direct: list[str], reqs: list[rt.Req], kinds
                         row["ttft_ms"] = round(1000 * (time.perf_counter() - t0), 2)
         out[r.rid] = row
 
-    async def worker(session: aiohttp.ClientSession) -> None:
-        while True:
-            try:
-                r = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            if r.rid in prev:
-                await done[prev[r.rid]].wait()
-            try:
-                await one(session, r)
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                out[r.rid] = {"kind": kinds[r.rid], "error": f"{type(exc).__name__}: {exc}"}
-            finally:
-                done[r.rid].set()
+    def failed(r: rt.Req, exc: Exception) -> None:
+        out[r.rid] = {"kind": kinds[r.rid], "error": f"{type(exc).__name__}: {exc}"}
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    await rt.closed_loop(reqs, concurrency, timeout, one, failed)
     return out
 
 

@@ -54,7 +54,7 @@ import random
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,14 +185,14 @@ def mooncake_trace(path: str | Path, block_chars: int = 64, max_chars: int = 190
 
 # --- replay -----------------------------------------------------------------------------------
 
-async def replay(url: str | list[str], reqs: list[Req], concurrency: int,
-                 timeout: float, api: str = "generate") -> dict[str, Any]:
-    """Replay ``reqs`` through the router at ``url``; given several routers, request ``i`` goes
-    to router ``i mod n``, so the turns of one conversation are sprayed across them.
-    ``api``: ``generate`` (SGLang's body) or ``completions`` (OpenAI's ``/v1/completions``)."""
+async def closed_loop(reqs: Sequence[Req], concurrency: int, timeout: float,
+                      one: Callable[[Any, Req], Awaitable[None]],
+                      failed: Callable[[Req, Exception], None]) -> None:
+    """Send ``reqs`` in trace order from ``concurrency`` clients (``one(session, req)``), a
+    session's request only once its previous one finished (a chat client sends turn *t+1*
+    after reading turn *t*); ``failed`` hears of a request whose call raised a timeout or an
+    HTTP client error."""
     import aiohttp
-
-    urls = [url] if isinstance(url, str) else list(url)
 
     done: dict[int, asyncio.Event] = {r.rid: asyncio.Event() for r in reqs}
     prev: dict[int, int] = {}
@@ -205,6 +205,35 @@ async def replay(url: str | list[str], reqs: list[Req], concurrency: int,
     queue: asyncio.Queue[Req] = asyncio.Queue()
     for r in reqs:
         queue.put_nowait(r)
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while True:
+            try:
+                r = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            if r.rid in prev:
+                await done[prev[r.rid]].wait()
+            try:
+                await one(session, r)
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                failed(r, exc)
+            finally:
+                done[r.rid].set()
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+
+
+async def replay(url: str | list[str], reqs: list[Req], concurrency: int,
+                 timeout: float, api: str = "generate") -> dict[str, Any]:
+    """Replay ``reqs`` through the router at ``url``; given several routers, request ``i`` goes
+    to router ``i mod n``, so the turns of one conversation are sprayed across them.
+    ``api``: ``generate`` (SGLang's body) or ``completions`` (OpenAI's ``/v1/completions``)."""
+    import aiohttp
+
+    urls = [url] if isinstance(url, str) else list(url)
+
     ttft: list[float] = []
     ttft_by_rid: dict[int, float] = {}
     e2e: list[float] = []
@@ -252,25 +281,9 @@ async def replay(url: str | list[str], reqs: list[Req], concurrency: int,
         e2e.append(time.perf_counter() - t0)
         meta_cached += int(last_meta.get("cached_tokens") or 0)
 
-    async def worker(session: aiohttp.ClientSession) -> None:
-        while True:
-            try:
-                r = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            if r.rid in prev:
-                await done[prev[r.rid]].wait()
-            try:
-                await one(session, r)
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
-            finally:
-                done[r.rid].set()
-
     t0 = time.perf_counter()
-    tmo = aiohttp.ClientTimeout(total=timeout)
-    async with aiohttp.ClientSession(timeout=tmo) as session:
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    await closed_loop(reqs, concurrency, timeout, one,
+                      lambda r, exc: errors.append(f"{type(exc).__name__}: {exc}"))
     wall = time.perf_counter() - t0
 
     def pct(xs: list[float], q: float) -> float | None:
