@@ -246,25 +246,13 @@ class RouterState:
         m.child(m.busy_fallbacks, role).inc()
         return workers
 
-    def shapes(self) -> tuple[bool, bool]:
-        """(a PD pair can be formed, a worker can serve a request whole: an aggregated one, or
-        a decode that prefills locally): the workers registered and counted, whether or not
-        they can serve right now."""
-        pools = self.pools.workers
-        def has(role: str) -> bool:
-            return any(w.shadowed_by is None for w in pools[role].values())
-        pd = has(PREFILL) and has(DECODE)
-        whole = has(AGGREGATED) or (pd and any(w.local_prefill and w.shadowed_by is None
-                                               for w in pools[DECODE].values()))
-        return pd, whole
-
     def select_pair(self, ctx: RouteContext, exclude: set[str] | None = None,
                     need: Need | None = None, unfit: frozenset[str] = frozenset()) -> Pair:
         """Where ``ctx`` goes: a PD pair or an aggregated worker, whichever the pools hold; with
         both, chosen per request (``_choose``). With ``need``, among the workers with room for
         it (NoRoom when none has: the request waits, router/capacity.py)."""
         t0 = time.perf_counter()
-        pd, aggregated = self.shapes()
+        pd, aggregated = self.pools.shapes()
         if ctx.samples is not None:  # n > 1: one room carries one sample's KV
             if not aggregated:
                 raise several_samples(*ctx.samples)
@@ -390,12 +378,12 @@ class RouterState:
                and not p.protocol.missing_identity()]
         if fit:
             return fit
+        # No SGLang pair can serve (it would be in ``fit``): a request vLLM's protocol cannot
+        # carry is the client's to change when vLLM pairs are what the fleet has.
         if not ctx.vllm_pd and any(p.protocol.name == VLLM for p in prefills):
-            if not any(p.protocol.name == SGLANG and p.protocol.pair_key in keys
-                       for p in prefills):
-                raise BadRequest("", "the PD pairs here speak vLLM's protocol, which "
-                                 "serves /v1/completions and /v1/chat/completions with one "
-                                 "prompt each: send the request there")
+            raise BadRequest("", "the PD pairs here speak vLLM's protocol, which serves "
+                             "/v1/completions and /v1/chat/completions with one prompt each: "
+                             "send the request there")
         raise NoWorkers(PREFILL, "no prefill has an available decode of its PD protocol "
                         f"(prefills: {_labels(prefills)}; decodes: {_labels(decodes)})")
 

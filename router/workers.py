@@ -116,17 +116,14 @@ class Worker:
     protocol: PDProtocol = SGLANG_BOOTSTRAP
     """A prefill's or decode's PD protocol (its record's, or ``--pd-protocol`` for a static
     one): a pair's halves must agree (``PDProtocol.pair_key``)."""
+    local_prefill: bool = False
+    """A decode whose record says it prefills a request itself when asked
+    (``X-Kvatlas-Prefill: local``): a candidate for serving a request whole."""
 
     def __post_init__(self) -> None:
         if self.bootstrap_host is None:
             self.bootstrap_host = urlsplit(self.url).hostname
         self.url_key = normalize_url(self.url)
-
-    @property
-    def local_prefill(self) -> bool:
-        """A decode whose record says it prefills a request itself when asked
-        (``X-Kvatlas-Prefill: local``): a candidate for serving a request whole."""
-        return self.role == DECODE and self.record.get("local_prefill") is True
 
     @property
     def counted(self) -> bool:
@@ -191,6 +188,8 @@ class WorkerPools:
         self.workers: dict[str, dict[str, Worker]] = {role: {} for role in ROLES}
         self._models: frozenset[str] | None = None
         """models() as of the last change to the pools (it is asked on every request)."""
+        self._shapes: tuple[bool, bool] | None = None
+        """shapes() as of the last change to the pools (asked on every request too)."""
         self.listeners: list[Any] = []
         """Callables ``(event, worker)`` told of "join", "leave" and "moved" (a new URL)."""
         self.limits = WorkerLimits(config.max_prompt_tokens, config.block_size)
@@ -224,16 +223,18 @@ class WorkerPools:
         if source == ADMIN:
             self.refuse_discovered(f"{source} worker {iid} at {url} is not added",
                                    instance_id=iid, url=url)
-        self._models = None
+        self._models = self._shapes = None
         if protocol is None:
             # A record's (checked when it was read); an aggregated worker has none to speak.
             protocol = (PDProtocol.from_dict(record.get("pd_protocol")) if record
                         else SGLANG_BOOTSTRAP)
+        local = role == DECODE and record is not None and record.get("local_prefill") is True
         worker = self.workers[role].get(iid)
         events: tuple[str, ...]
         if worker is None:
             worker = Worker(iid, role, url, self.new_breaker(), bootstrap_host, bootstrap_port,
                             model, source, ready, record=record or {}, protocol=protocol)
+            worker.local_prefill = local
             self.workers[role][iid] = worker
             logger.info("%s worker %s joined (%s, %s)", role, iid, url, source)
             events = ("join",)
@@ -244,7 +245,7 @@ class WorkerPools:
             worker.bootstrap_port = bootstrap_port
             worker.model, worker.source, worker.ready = model, source, ready
             worker.record = record or {}
-            worker.protocol = protocol
+            worker.protocol, worker.local_prefill = protocol, local
             events = ("record",)
             if moved:
                 logger.info("%s worker %s moved to %s", role, iid, url)
@@ -262,7 +263,7 @@ class WorkerPools:
     def remove(self, role: str, instance_id: str) -> Worker | None:
         worker = self.workers[role].pop(instance_id, None)
         if worker is not None:
-            self._models = None
+            self._models = self._shapes = None
             logger.info("%s worker %s left", role, instance_id)
             self._pair(role)  # a static twin it shadowed serves again
             self.limits.forget(instance_id)
@@ -364,6 +365,19 @@ class WorkerPools:
 
     def all(self) -> list[Worker]:
         return self.pool(PREFILL) + self.pool(DECODE) + self.pool(AGGREGATED)
+
+    def shapes(self) -> tuple[bool, bool]:
+        """(a PD pair can be formed, a worker can serve a request whole: an aggregated one, or
+        a decode that prefills locally): the workers registered and counted, whether or not
+        they can serve right now. Kept until the pools change (add/remove, which re-pair)."""
+        if self._shapes is None:
+            def has(role: str) -> bool:
+                return any(w.shadowed_by is None for w in self.workers[role].values())
+            pd = has(PREFILL) and has(DECODE)
+            whole = has(AGGREGATED) or (pd and any(
+                w.local_prefill and w.shadowed_by is None for w in self.workers[DECODE].values()))
+            self._shapes = (pd, whole)
+        return self._shapes
 
     def models(self) -> frozenset[str]:
         """The models served: the workers' and ``--model``."""
