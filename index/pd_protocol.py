@@ -32,6 +32,19 @@ PROTOCOLS = (SGLANG, VLLM)
 PULL, PUSH = "pull", "push"
 VLLM_MODES = (PULL, PUSH)
 
+# --- vLLM's wire, as every kvatlas part that speaks it (router, engine, doctor) writes it -----
+KV_PARAMS = "kv_transfer_params"
+"""The request and answer field vLLM's connector reads and writes."""
+PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None}
+"""What a prefill is told, in both modes: compute the prompt and keep its blocks for a remote
+decode (vLLM's own proxy sends exactly these)."""
+CONNECTORS = {PULL: "NixlConnector", PUSH: "NixlPushConnector"}
+"""The engine's ``kv_connector`` of each mode (``--kv-transfer-config``)."""
+NIXL_PORT = 5600
+"""vLLM's default side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``)."""
+
 
 @dataclass(frozen=True)
 class PDProtocol:
@@ -83,6 +96,15 @@ class PDProtocol:
     def label(self) -> str:
         """``sglang``, ``vllm-pull`` or ``vllm-push``: for metrics, explanations and the CLI."""
         return self.name if self.mode is None else f"{self.name}-{self.mode}"
+
+    def push_params(self, remote_request_id: str, pp_size: int = 1) -> dict[str, Any]:
+        """A push-mode decode's ``kv_transfer_params`` naming this prefill before it has
+        computed anything; ``remote_request_id``: the prefill's base request id
+        (``cmpl-<X-Request-Id>``)."""
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": self.engine_id, "remote_host": self.host,
+                "remote_port": self.port, "tp_size": self.tp_size,
+                "remote_request_id": remote_request_id, "pp_size": pp_size}
 
     def missing_identity(self) -> list[str]:
         """What a push-mode prefill still lacks for a router to name it in advance."""

@@ -32,7 +32,13 @@ from router.requests import Parsed, inject, with_rid
 from router.route import decide, route_context
 from router.state import Pair, RouterState
 from router.upstreams import Upstreams
-from router.vllm_pd import answered_params, decode_body, new_request_id, prefill_body, push_params
+from router.vllm_pd import (
+    answered_params,
+    decode_body,
+    engine_request_id,
+    new_request_id,
+    prefill_body,
+)
 from router.workers import DECODE, Worker
 
 logger = logging.getLogger(__name__)
@@ -308,7 +314,7 @@ class Dispatcher:
             m.child(m.vllm_pd_requests, PUSH, "given").inc()
             pp = prefill.record.get("pp_size") or 1
             bodies = (prefill_body(parsed), decode_body(
-                parsed, push_params(parsed, rid, prefill.protocol, pp)))
+                parsed, prefill.protocol.push_params(engine_request_id(parsed, rid), pp)))
             return await self._attempt(request, path, pair, bodies, wire, parsed.stream,
                                        reply, echo, prefill_pages)
         answer = await self._prefill_first(path, prefill, prefill_body(parsed), wire,

@@ -25,14 +25,9 @@ from typing import Any
 
 import orjson
 
-from index.pd_protocol import PDProtocol
+from index.pd_protocol import KV_PARAMS, PREFILL_PARAMS
 from router.requests import CHAT, Parsed, dumps_body
 
-KV_PARAMS = "kv_transfer_params"
-PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None}
-"""What the prefill is told: compute the prompt and keep its blocks for a remote decode."""
 _NOT_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
@@ -76,15 +71,6 @@ def decode_body(parsed: Parsed, params: dict[str, Any] | None) -> bytes:
     if params is not None:
         out[KV_PARAMS] = params
     return dumps_body(out, parsed.orjson_parsed)
-
-
-def push_params(parsed: Parsed, request_id: str, prefill: PDProtocol,
-                pp_size: int = 1) -> dict[str, Any]:
-    """A push-mode decode's params: the prefill named before it has computed anything."""
-    return {"do_remote_prefill": True, "do_remote_decode": False,
-            "remote_engine_id": prefill.engine_id, "remote_host": prefill.host,
-            "remote_port": prefill.port, "tp_size": prefill.tp_size,
-            "remote_request_id": engine_request_id(parsed, request_id), "pp_size": pp_size}
 
 
 def answered_params(body: bytes) -> dict[str, Any] | None:

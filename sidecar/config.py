@@ -13,7 +13,7 @@ from index.events.subscriber import SubscriberConfig
 from index.hashing import DEFAULT_BLOCK_SIZE
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_instance_id, validate_model
 from index.pd_protocol import CHOICES as PD_CHOICES
-from index.pd_protocol import PUSH, SGLANG_BOOTSTRAP, PDProtocol
+from index.pd_protocol import NIXL_PORT, PUSH, SGLANG_BOOTSTRAP, PDProtocol
 from index.record import AGGREGATED, DECODE, PREFILL
 from index.shards import IndexShards
 
@@ -22,8 +22,6 @@ SGLANG, VLLM = "sglang", "vllm"
 ENGINES = (SGLANG, VLLM)
 """What the sidecar can stand beside: SGLang (``/get_server_info``, bootstrap server for PD) or
 vLLM (``/v1/models``; PD through its NixlConnector's ``kv_transfer_params``)."""
-NIXL_PORT = 5600
-"""vLLM's default ``VLLM_NIXL_SIDE_CHANNEL_PORT``."""
 
 
 def http_base(url: str, flag: str) -> tuple[str, str, int]:

@@ -23,10 +23,9 @@ from aiohttp import web
 
 from engine.errors import BadRequest
 from engine.pd.common import Bootstrap, bootstrap_fields
-from index.pd_protocol import PULL, PDProtocol
+from index.pd_protocol import KV_PARAMS, PULL, PDProtocol
 from index.rooms import ROUTER_ROOMS
 
-KV_PARAMS = "kv_transfer_params"
 _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 _SPAN = ROUTER_ROOMS.high - ROUTER_ROOMS.low + 1
 
@@ -141,15 +140,16 @@ def prefill_answer(*, rid: str, model: str, chat: bool, text: str, prompt_tokens
             KV_PARAMS: params}
 
 
-def transfer_params(*, mode: str, rid: str, engine_id: str, host: str, port: int, tp_size: int,
-                    pages: list[int], prompt_tokens: int) -> dict[str, Any]:
-    """The ``kv_transfer_params`` a prefill answers (vLLM's shape; ``pages``: the held KV's
-    page ids on TP rank 0, as one KV-cache group)."""
+def transfer_params(prefill: PDProtocol, *, rid: str, pages: list[int],
+                    prompt_tokens: int) -> dict[str, Any]:
+    """The ``kv_transfer_params`` prefill ``prefill`` (its identity) answers (vLLM's shape;
+    ``pages``: the held KV's page ids on TP rank 0, as one KV-cache group)."""
+    mode = prefill.mode
     params: dict[str, Any] = {
         "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [pages],
-        "remote_engine_id": engine_id, "remote_request_id": rid, "remote_host": host,
-        "remote_port": port, "tp_size": tp_size, "dcp_size": 1, "pp_size": 1,
-        "remote_num_tokens": prompt_tokens}
+        "remote_engine_id": prefill.engine_id, "remote_request_id": rid,
+        "remote_host": prefill.host, "remote_port": prefill.port, "tp_size": prefill.tp_size,
+        "dcp_size": 1, "pp_size": 1, "remote_num_tokens": prompt_tokens}
     if mode == PULL:
         # no lease renewal here: the pages are held for kv_lease_s from the answer
         params.update(remote_blocks_expiry_time=None, remote_registration_generation=0)

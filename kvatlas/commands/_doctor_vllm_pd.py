@@ -26,32 +26,13 @@ import aiohttp
 from index.errors import EtcdError
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout
-from index.pd_protocol import PUSH, VLLM
+from index.pd_protocol import CONNECTORS, KV_PARAMS, PREFILL_PARAMS, PUSH, VLLM
 from index.record import DECODE, PREFILL, InstanceRecord, RecordReader
-from kvatlas.commands._doctor_vllm import readable_records
+from kvatlas.commands._doctor_vllm import CheckedLink, readable_records
 from kvatlas.launcher.doctor import _request
-
-CheckedLink = tuple[str, bool, str, str]
-"""(name, ok, detail, hint)."""
 
 CANARY_PROMPT = ("kvatlas doctor: a canary request for a vLLM prefill/decode pair, long enough "
                  "to fill more than one KV block of sixteen tokens on any tokenizer there is.")
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
-                  "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
-                  "remote_port": None}
-"""What a proxy sends a vLLM prefill (vLLM's toy proxy's ``send_request_to_prefill``)."""
-CONNECTORS = {"pull": "NixlConnector", "push": "NixlPushConnector"}
-
-
-def push_decode_params(rec: InstanceRecord, request_id: str) -> dict[str, Any]:
-    """A push decode's ``kv_transfer_params``: the prefill named before it answers."""
-    proto = rec.pd_protocol
-    return {"do_remote_prefill": True, "do_remote_decode": False,
-            "remote_engine_id": proto.engine_id, "remote_host": proto.host,
-            "remote_port": proto.port, "tp_size": proto.tp_size,
-            "remote_request_id": f"cmpl-{request_id}", "pp_size": 1}
-
-
 def pair_links(model: str, prefills: list[InstanceRecord],
                decodes: list[InstanceRecord]) -> list[CheckedLink]:
     """The record-only links of one model's vLLM PD instances (pure)."""
@@ -119,12 +100,13 @@ async def canary(http: aiohttp.ClientSession, model: str, prefill: InstanceRecor
     name = f"{prefill.instance_id} -> {decode.instance_id}: vLLM PD canary"
     rid = f"kvatlas-doctor-{uuid.uuid4().hex}"
     base = {"model": model, "prompt": CANARY_PROMPT, "max_tokens": 2, "temperature": 0.0}
-    first = {**base, "kv_transfer_params": dict(PREFILL_PARAMS), "stream": False,
+    first = {**base, KV_PARAMS: dict(PREFILL_PARAMS), "stream": False,
              "max_tokens": 1}
     headers = {"X-Request-Id": rid}
     purl, durl = f"{prefill.url}/v1/completions", f"{decode.url}/v1/completions"
     if prefill.pd_protocol.mode == PUSH:
-        second = {**base, "kv_transfer_params": push_decode_params(prefill, rid)}
+        # The router's own push params: the canary tests what it sends.
+        second = {**base, KV_PARAMS: prefill.pd_protocol.push_params(f"cmpl-{rid}")}
         (ps, pdoc), (ds, ddoc) = await asyncio.gather(
             _request(http, "POST", purl, json=first, headers=headers),
             _request(http, "POST", durl, json=second, headers=headers))
@@ -135,11 +117,11 @@ async def canary(http: aiohttp.ClientSession, model: str, prefill: InstanceRecor
     if ps != 200 or not isinstance(pdoc, dict):
         return (name, False, f"{detail} {str(pdoc)[:200]}",
                 f"the prefill {prefill.url} refused the canary: read its log")
-    why = check_prefill_answer(prefill, pdoc.get("kv_transfer_params"))
+    why = check_prefill_answer(prefill, pdoc.get(KV_PARAMS))
     if why is not None:
         return (name, False, detail, f"prefill {prefill.instance_id}: {why}")
     if ds is None:
-        second = {**base, "kv_transfer_params": pdoc["kv_transfer_params"]}
+        second = {**base, KV_PARAMS: pdoc[KV_PARAMS]}
         ds, ddoc = await _request(http, "POST", durl, json=second, headers=headers)
     detail += f", decode {ds}"
     if ds != 200:

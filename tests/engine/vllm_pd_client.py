@@ -9,9 +9,7 @@ from typing import Any
 
 from pd_procs import assert_at_rest
 
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
-                  "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
-                  "remote_port": None}
+from index.pd_protocol import PREFILL_PARAMS
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:

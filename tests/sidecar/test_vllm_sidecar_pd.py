@@ -22,7 +22,7 @@ from waiting import wait_until
 from index.etcd import EtcdClient, EtcdSettings
 from index.hashing import block_hashes
 from index.keys import KeyLayout
-from index.pd_protocol import PDProtocol
+from index.pd_protocol import PREFILL_PARAMS, PDProtocol
 from index.record import InstanceRecord
 from index.segments import held_blocks
 from kvatlas.etcd_proc import free_ports
@@ -30,8 +30,6 @@ from tokenization import load_tokenizer
 
 MODEL = "tiny-vllm-pd"
 PROMPT = "A prompt a vLLM prefill computes and a decode reads, several blocks of sixteen bytes."
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
 class PDProcs:
