@@ -163,17 +163,21 @@ class PDConfig:
         """The host peers dial (see ``advertise_host``)."""
         return public_host(self.engine.host, self.advertise_host)
 
-    def protocol_fields(self, bootstrap_port: int, tp_size: int) -> dict[str, Any]:
-        """The etcd record's ``pd_protocol`` (none for SGLang's bootstrap: the record's default).
-        A vLLM prefill names itself as a push router must know it in advance: its instance id,
-        and its bootstrap server, where decodes find its transfer ranks."""
+    def identity(self, bootstrap_port: int, tp_size: int) -> PDProtocol:
+        """This instance's PD protocol as its record states it and its answers name it. A vLLM
+        prefill names itself as a push router must know it in advance: its instance id, and
+        its bootstrap server, where decodes find its transfer ranks."""
         p = self.pd_protocol
-        if p.name == "sglang":
-            return {}
-        if self.mode == "prefill":
+        if p.name == "vllm" and self.mode == "prefill":
             p = PDProtocol(p.name, p.mode, engine_id=self.instance_id, host=self.public_host,
                            port=bootstrap_port, tp_size=tp_size)
-        return {"pd_protocol": p.to_dict()}
+        return p
+
+    def protocol_fields(self, bootstrap_port: int, tp_size: int) -> dict[str, Any]:
+        """The etcd record's ``pd_protocol`` (none for SGLang's bootstrap: the record's
+        default): ``identity``."""
+        p = self.identity(bootstrap_port, tp_size)
+        return {} if p.name == "sglang" else {"pd_protocol": p.to_dict()}
 
     @property
     def world_size(self) -> int:

@@ -44,6 +44,8 @@ from index.events.endpoints import offset_endpoint
 from index.events.feed import EventFeed
 from index.events.publisher import KVEventPublisher, PublisherConfig
 from index.events.subscriber import SubscriberConfig
+from index.lease import cancel_and_wait
+from index.pd_protocol import SGLANG_BOOTSTRAP, PDProtocol
 from index.pipeline import open_block_pipeline
 from index.writer import BlockWriter
 from transfer import KVSender, TensorPageSource, TransferError, create_sender
@@ -70,6 +72,9 @@ class PrefillState:
     awaiting_decode: set[int] = field(default_factory=set)
     """Rooms admitted here that wait, holding no page, for their decode to ask for them."""
     leases: set[asyncio.Task[None]] = field(default_factory=set)
+    identity: PDProtocol = SGLANG_BOOTSTRAP
+    """How this prefill names itself in vLLM's answers (``PDConfig.identity``), as its record
+    does."""
     """vLLM pull: the tasks holding answered requests' pages for their decodes
     (``prefill_vllm.hold_for_decode``)."""
 
@@ -132,12 +137,30 @@ async def forward(ps: PrefillState, dp: int, body: dict[str, Any], path: str) ->
 
 async def prefill_one(ps: PrefillState, prompt: list[int], params: Any, rid: str,
                       boot: Bootstrap) -> web.Response:
+    """SGLang's flow for one prompt, answered as SGLang's prefill answers (the router reads
+    only its status)."""
+    started = time.monotonic()
+    sent = await prefill_and_send(ps, prompt, params, rid, boot)
+    if isinstance(sent, web.Response):
+        return sent
+    first, cached = sent
+    return web.json_response({
+        "text": "", "output_ids": [first],
+        "meta_info": {"id": rid, "bootstrap_room": boot.room, "prompt_tokens": len(prompt),
+                      "cached_tokens": cached, "completion_tokens": 1,
+                      "finish_reason": {"type": "kv_sent"},
+                      "e2e_latency": round(time.monotonic() - started, 6)}})
+
+
+async def prefill_and_send(ps: PrefillState, prompt: list[int], params: Any, rid: str,
+                           boot: Bootstrap) -> tuple[int, int] | web.Response:
+    """Wait for the room's decode, compute holding the pages, send them, give them back:
+    (first token, cached tokens) once sent, or the error answer."""
     room, engine = boot.room, ps.engine
     try:
         ps.sender.create(room)
     except TransferError as exc:
         raise BadRequest("bootstrap_room", exc.reason) from None
-    started = time.monotonic()
     try:
         await wait_for_decode(ps, room)
     except TransferError as exc:
@@ -168,12 +191,7 @@ async def prefill_one(ps: PrefillState, prompt: list[int], params: Any, rid: str
         if not released:
             await asyncio.shield(engine.call(ps.replica.release_held, rid))
     ps.stats["sent"] += 1
-    return web.json_response({
-        "text": "", "output_ids": [first],
-        "meta_info": {"id": rid, "bootstrap_room": room, "prompt_tokens": len(prompt),
-                      "cached_tokens": cached, "completion_tokens": 1,
-                      "finish_reason": {"type": "kv_sent"},
-                      "e2e_latency": round(time.monotonic() - started, 6)}})
+    return first, cached
 
 
 async def compute_held(ps: PrefillState, prompt: list[int], params: Any, rid: str, room: int
@@ -337,7 +355,8 @@ async def start_prefill(app: web.Application, stack: contextlib.AsyncExitStack) 
     bclient = BootstrapClient(BootstrapClientConfig(auth_token=cfg.auth_token))
     await bclient.start()
     stack.push_async_callback(bclient.close)
-    ps = PrefillState(cfg, ranks, engine, replica, sender, uplink, session, writer, bclient)
+    ps = PrefillState(cfg, ranks, engine, replica, sender, uplink, session, writer, bclient,
+                      identity=cfg.identity(bport, info.tp_size))
     app[PREFILL_KEY] = ps
     await start_engine(app, stack, cfg, engine, replica, "prefill")
     # At a stop the sender closes first, failing the rooms still open, before the engine stops.
@@ -349,9 +368,8 @@ async def start_prefill(app: web.Application, stack: contextlib.AsyncExitStack) 
 
 
 async def end_leases(ps: PrefillState) -> None:
-    for task in list(ps.leases):
-        task.cancel()
-    await asyncio.gather(*ps.leases, return_exceptions=True)
+    """The pull leases still held end now (each gives its pages back as it goes)."""
+    await cancel_and_wait(*ps.leases)
 
 
 async def start_publisher(stack: contextlib.AsyncExitStack, config: PublisherConfig) -> Any:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from typing import Any
 
@@ -32,8 +31,8 @@ from engine.pd.prefill import (
     PrefillState,
     abort_and_release,
     compute_held,
+    prefill_and_send,
     prefill_items,
-    prefill_one,
     send_all_ranks,
     wait_for_decode,
 )
@@ -59,10 +58,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await prefill_openai(request, chat=True)
 
 
-def bootstrap_port(ps: PrefillState) -> int:
-    return ps.ranks.bootstrap_port or ps.cfg.bootstrap_port
-
-
 async def prefill_openai(request: web.Request, chat: bool) -> web.StreamResponse:
     ps = request.app[PREFILL_KEY]
     cfg = ps.cfg
@@ -74,7 +69,10 @@ async def prefill_openai(request: web.Request, chat: bool) -> web.StreamResponse
         if not wants_remote_decode(body, cfg.pd_protocol):
             return bootstrap_fields(body)
         vllm = True
-        return Bootstrap(cfg.public_host, bootstrap_port(ps), room_of(base_request_id(rid)))
+        # Its own bootstrap server, as its answers name it (``PrefillState.identity``).
+        me = ps.identity
+        assert me.host is not None and me.port is not None
+        return Bootstrap(me.host, me.port, room_of(base_request_id(rid)))
 
     item, _ = await read_openai_item(request, chat, boot_of)
     if not vllm:
@@ -86,14 +84,11 @@ async def prefill_openai(request: web.Request, chat: bool) -> web.StreamResponse
     ids = [rid, base_request_id(rid)]
     if cfg.pd_protocol.mode == PUSH:
         with ps.engine.claim(ids):
-            res = await until_disconnected(request, prefill_one(
+            sent = await until_disconnected(request, prefill_and_send(
                 ps, item.gen.prompt, item.gen.params, rid, item.boot))
-        if res.status != 200:
-            return res
-        assert isinstance(res.body, bytes)
-        doc = json.loads(res.body)
-        return answer(ps, item, rid, chat, doc["output_ids"][0],
-                      doc["meta_info"]["cached_tokens"], [])
+        if isinstance(sent, web.Response):
+            return sent
+        return answer(ps, item, rid, chat, *sent, [])
     # pull: the claim outlives this handler, until the lease ends
     claim = contextlib.ExitStack()
     claim.enter_context(ps.engine.claim(ids))
@@ -107,10 +102,7 @@ async def prefill_openai(request: web.Request, chat: bool) -> web.StreamResponse
 def answer(ps: PrefillState, item: PDItem, rid: str, chat: bool, first: int, cached: int,
            pages: list[int]) -> web.Response:
     cfg = ps.cfg
-    assert cfg.instance_id is not None and cfg.pd_protocol.mode is not None
-    params = transfer_params(mode=cfg.pd_protocol.mode, rid=rid, engine_id=cfg.instance_id,
-                             host=cfg.public_host, port=bootstrap_port(ps),
-                             tp_size=ps.ranks.info.tp_size, pages=pages,
+    params = transfer_params(ps.identity, rid=rid, pages=pages,
                              prompt_tokens=len(item.gen.prompt))
     return web.json_response(prefill_answer(
         rid=rid, model=cfg.engine.model_name, chat=chat,
