@@ -140,16 +140,6 @@ def serve_apps(apps: list[tuple[int, Any]]) -> None:
 
 # --- the bench -------------------------------------------------------------------------------------
 
-def proxy_path() -> Path:
-    """vLLM's toy proxy, fetched unchanged (RuntimeError saying why it cannot be)."""
-    spec = importlib.util.spec_from_file_location("_kvatlas_vllm_proxy",
-                                                  ROOT / "tests" / "peers" / "vllm_proxy.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.fetch()
-
-
 def proxy_missing() -> str | None:
     for name in ("fastapi", "httpx", "uvicorn"):
         if importlib.util.find_spec(name) is None:
@@ -233,16 +223,17 @@ async def run(args: argparse.Namespace, logdir: Path, closed_loop: ClosedLoop,
     proxy = None
     if missing is None:
         try:
-            proxy = proxy_path()
+            from tests.peers.vllm_proxy import fetch  # the repo root is on sys.path
+            proxy = fetch()
         except RuntimeError as exc:
             missing = str(exc)
     results["vllm_proxy"] = missing or "ok"
     names = ("kvatlas", "kvatlas-rr", "vllm-proxy")
-    cmds = target_commands(prefills, decodes, {n: free_port() for n in names}, proxy)
+    ports = {n: free_port() for n in names}
+    cmds = target_commands(prefills, decodes, ports, proxy)
     procs = {name: start(cmd, logdir / f"{name}.log") for name, cmd in cmds.items()}
     targets = {"direct": decodes[0],
-               **{name: f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
-                  for name, cmd in cmds.items()}}
+               **{name: f"http://127.0.0.1:{ports[name]}" for name in cmds}}
     bodies = completion_bodies()
     try:
         for name, url in list(targets.items()):

@@ -5,12 +5,10 @@ test_pd_vllm_router.py."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -22,21 +20,13 @@ from vllm_pd_client import at_rest, body_of, texts_of
 from waiting import wait_until
 
 from kvatlas.etcd_proc import free_port
+from tests.peers.vllm_proxy import fetch as fetch_proxy
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def load_proxy_fetcher() -> Any:
-    spec = importlib.util.spec_from_file_location("vllm_proxy",
-                                                  ROOT / "tests" / "peers" / "vllm_proxy.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 async def test_vllms_toy_proxy_drives_a_pull_pair() -> None:
-    proxy: Path = load_proxy_fetcher().fetch()  # make test fetches it; never skipped
+    proxy: Path = fetch_proxy()  # make test fetches it; never skipped
     prompts = shared_prefix_prompts(8, seed=33, n_bases=2, base_len=(20, 40))
     want = monolithic(prompts, [4] * len(prompts))
     with proc_pair("--pd-protocol", "vllm") as (p, d):
