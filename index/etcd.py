@@ -399,11 +399,15 @@ class EtcdClient:
         raise EtcdUnavailable("lease keepalive stream closed without a reply", endpoint=self.endpoint,
                               op="lease_keepalive")
 
-    async def revoke(self, lease_id: int) -> None:
+    async def revoke(self, lease_id: int) -> int:
+        """Revoke a lease; returns the revision at which etcd deleted its keys, 0 when the lease
+        was gone already (its keys went at a revision nobody reported)."""
         try:
-            await self._call("lease_revoke", "_lease", "LeaseRevoke", rpc.LeaseRevokeRequest(ID=lease_id))
+            resp = await self._call("lease_revoke", "_lease", "LeaseRevoke",
+                                    rpc.LeaseRevokeRequest(ID=lease_id))
         except LeaseExpired:
-            pass
+            return 0
+        return int(resp.header.revision)
 
     async def lease_ttl(self, lease_id: int) -> int:
         """Remaining TTL of a lease in seconds, -1 when it does not exist."""

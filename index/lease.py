@@ -152,15 +152,19 @@ class LeaseSession:
         self.healthy = False
         self.last_error = str(exc)
 
-    async def revoke(self) -> None:
-        """Revoke the lease so that its keys vanish now (clean shutdown). Best effort."""
+    async def revoke(self) -> int:
+        """Revoke the lease so that its keys vanish now (clean shutdown). Best effort: returns
+        the revision at which etcd deleted the keys, 0 when that is unknown (no lease, already
+        gone, or etcd unreachable)."""
         lease_id, self.lease_id = self.lease_id, None
-        if lease_id is not None:
-            try:
-                await self.client.revoke(lease_id)
-            except EtcdError as exc:
-                logger.warning("could not revoke lease %x (its keys expire with its TTL): %s",
-                               lease_id, exc)
+        if lease_id is None:
+            return 0
+        try:
+            return await self.client.revoke(lease_id)
+        except EtcdError as exc:
+            logger.warning("could not revoke lease %x (its keys expire with its TTL): %s",
+                           lease_id, exc)
+            return 0
 
 
 def _hex(lease_id: int | None) -> str:

@@ -88,7 +88,14 @@ class EtcdBlockIndex(BlockIndex):
 
     async def drop(self, instance: str, revoke: bool = True) -> None:
         """Stop writing ``instance``. With ``revoke`` its lease is revoked and etcd deletes its
-        keys now; without, an own lease simply stops being refreshed and expires (instance death)."""
+        keys now; without, an own lease simply stops being refreshed and expires (instance death).
+
+        Closing the writer cancels its transactions in flight, which etcd may apply all the same
+        at a revision nobody learns. With ``revoke`` the revoke's own revision bounds them (one
+        applied before it lost its keys at it; one arriving after it fails: no lease), so
+        ``settle()`` waits for the mirror to reach that. Without, ``settle()`` only waits for the
+        instance to leave the mirror: settle before dropping it, as a writer that vanishes with
+        nothing in flight."""
         writer = self.writers.pop(instance, None)
         if writer is None:
             return
@@ -102,7 +109,8 @@ class EtcdBlockIndex(BlockIndex):
             session, task = own
             await cancel_and_wait(task)
             if revoke:
-                await session.revoke()
+                revision = await session.revoke()
+                self._dropped_revision = max(self._dropped_revision, revision)
 
     def _prune_gone(self) -> None:
         """Keep ``_gone`` bounded without ``settle()``: forget dropped instances whose keys the
