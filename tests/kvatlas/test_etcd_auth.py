@@ -150,7 +150,8 @@ async def test_cluster_up_etcd_refuses_a_record_without_credentials(tmp_path: Pa
         show = kvatlas("bootstrap", "show", "prefill-0", "--json", "--run-dir", str(run_dir))
         assert show.returncode == 0, show.stderr
         # And the cluster serves end to end.
-        body = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 3}}).encode()
+        body = json.dumps({"text": "hello", "sampling_params": {"max_new_tokens": 3,
+                                                                    "ignore_eos": True}}).encode()
         with urllib.request.urlopen(state.router["url"] + "/generate", body, timeout=30) as r:
             assert json.loads(r.read())["meta_info"]["completion_tokens"] == 3
     finally:
