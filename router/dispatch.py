@@ -70,6 +70,22 @@ class Failure:
         return Response(self.status, self.body, self.content_type, {"x-request-id": request_id})
 
 
+class _Counted:
+    """One request in ``worker.load``, taken off once by whichever of its ends comes first."""
+
+    __slots__ = ("worker", "_counted")
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        worker.load += 1
+        self._counted = True
+
+    def end(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.worker.load -= 1
+
+
 def _record(state: RouterState, worker: Worker, status: int | None, reason: str = "") -> None:
     # 4xx is the client's fault, not the worker's: it counts as a success.
     if status is None or status >= 500:
@@ -191,19 +207,24 @@ class Dispatcher:
         prefill, decode = pair.prefill.worker, pair.decode.worker
         prefill.requests += 1
         decode.requests += 1
-        # Counted now so that the very next decision sees it; the prefill's is released by its
-        # future's callback, which also runs when the call is cancelled.
-        prefill.load += 1
+        # Counted now so that the very next decision sees it. The prefill's ends at the
+        # decode's first byte (its KV has arrived, so its compute is done) or with its own
+        # call, whichever is first: that call may stay open until the send is acknowledged,
+        # past the end of a short stream, and a conversation's next turn must not then see
+        # the prefix's holder as still busy with the last one.
+        prefill_load = _Counted(prefill)
         decode.load += 1
         t0 = time.perf_counter()
         prefill_call = self.upstreams.of(prefill).call("POST", path, headers, bodies[0])
         decode_call = self.upstreams.of(decode).call("POST", path, headers, bodies[1],
                                                      stream=stream)
         prefill_call.add_done_callback(
-            functools.partial(self._prefill_done, prefill, t0, decode_call, prefill_pages))
+            functools.partial(self._prefill_done, prefill_load, t0, decode_call, prefill_pages))
         try:
             resp = await decode_call
             first = await _first_bytes(resp, stream)
+            if resp.status == 200:
+                prefill_load.end()
         except asyncio.CancelledError:
             err = _prefill_error(prefill_call)
             task = asyncio.current_task()
@@ -366,12 +387,13 @@ class Dispatcher:
         return Failure.of_router(502, f"prefill {prefill.instance_id} failed: {err}",
                                  prefill.instance_id)
 
-    def _prefill_done(self, worker: Worker, t0: float,
+    def _prefill_done(self, load: _Counted, t0: float,
                       decode_call: asyncio.Future[UpstreamResponse], pages: int,
                       call: asyncio.Future[UpstreamResponse]) -> None:
         """Bookkeeping of a finished prefill call; a failed one also stops a decode still
         waiting for its answer's head (it would only wait for KV that never comes)."""
-        worker.load -= 1
+        load.end()
+        worker = load.worker
         self.state.capacity.give(worker, pages)
         self.state.metrics.latency["prefill"].observe(time.perf_counter() - t0)
         if call.cancelled():

@@ -69,16 +69,15 @@ def test_vllm_pd_fleet_caches_a_shared_prefix_through_kv_aware(etcd_endpoint: st
     system = "<|system|>\nshared: " + "kernel cache route token " * 20
     texts = [system + "q1", system + "q1 a1 q2", system + "other"]
     reqs = [rt.Req(i, t, 2, session="s") for i, t in enumerate(texts)]
-    # What is tested is that the prefix is found, not how load weighs against it. At the
-    # default overlap weight (2) a turn can lose its holder by a hair: a prefill's call stays
-    # open until its KV is sent, often past the end of the decode's stream, so the next turn
-    # may still see the holder running the last one (its work plus the send: ~2 x 33 blocks,
-    # against 2 x 32 blocks saved). Predictions also bridge the index's lag for a loaded
-    # machine's seconds.
+    # At the default overlap weight (2) a later turn saves ~2 x 32 blocks at the holder
+    # against its recent work (~33 blocks, decaying). A push prefill's call stays open until
+    # its KV is sent, often past the end of the decode's stream: the router stops counting it
+    # as running at the decode's first byte, or a turn sent right after the last would see the
+    # holder still running it too and lose it by a hair. Predictions bridge the index's lag
+    # for a loaded machine's seconds.
     args = argparse.Namespace(prefills=2, prefill_pages=64, decode_pages=256, concurrency=1,
                               request_timeout=60.0, sglang_arg=[], vllm_mode=mode,
-                              kvatlas_arg=["--overlap-weight", "8",
-                                           "--prediction-catch-up", "60"])
+                              kvatlas_arg=["--prediction-catch-up", "60"])
     res = rc.run_router(args, etcd_endpoint, "kv_aware", 0, tmp_path, reqs, fleet="vllm-pd")
     assert res["errors"] == 0 and res["ok"] == 3, res.get("error_samples")
     assert res["fleet"] == "vllm-pd" and res["vllm_mode"] == mode

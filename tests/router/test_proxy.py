@@ -194,6 +194,40 @@ async def test_streaming_is_passed_through_unbuffered(stubs: Any, make_router: A
     assert rest.count(b"data: ") == 3 and rest.endswith(b"data: [DONE]\n\n")
 
 
+async def test_a_prefill_stops_counting_as_loaded_at_the_decodes_first_byte(
+        stubs: Any, make_router: Any) -> None:
+    # A prefill's call may stay open past its work (until the KV send is acknowledged, past
+    # the end of a short stream); the decode's first byte proves the KV arrived, so a
+    # conversation's next turn must not see the prefix's holder as still busy.
+    (p,), (d,) = await stubs("prefill"), await stubs("decode")
+    p.hold = asyncio.Event()
+    d.release_stream = asyncio.Event()
+    client = await make_router([p], [d])
+
+    async def loads() -> list[int]:
+        workers = await (await client.get("/workers")).json()
+        return [workers[role][0]["load"] for role in ("prefill", "decode")]
+
+    resp = await client.post("/generate", json={"text": "turn one", "stream": True})
+    assert resp.status == 200
+    await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+    assert await loads() == [0, 1]  # the prefill's call is still held open
+    d.release_stream.set()
+    await resp.read()
+    assert await loads() == [0, 0]
+    p.hold.set()  # its call ends now: counted off once, not twice
+
+    async def prefill_call_ended() -> bool:
+        return await client.metric_lines(
+            'kvatlas_router_upstream_latency_seconds_count{role="prefill"}') == [
+            'kvatlas_router_upstream_latency_seconds_count{role="prefill"} 1.0']
+
+    await wait_until(prefill_call_ended, what="the router saw the held prefill's call end")
+    assert await loads() == [0, 0]
+    resp = await client.post("/generate", json={"text": "turn two"})
+    assert resp.status == 200 and await loads() == [0, 0]
+
+
 async def test_stream_error_before_first_byte_is_retried(stubs: Any, make_router: Any) -> None:
     (p,), (d,) = await stubs("prefill"), await stubs("decode")
     d.statuses = [503]
