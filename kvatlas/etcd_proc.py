@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -62,20 +63,50 @@ def find_etcd_binary() -> str:
     return str(path)
 
 
+PORT_FLOOR = 20000
+"""The lowest port ``free_ports`` picks where the kernel's ephemeral range is known."""
+
+_pick = random.SystemRandom()  # not the global generator, which hypothesis seeds per test
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct free ports for one process to bind: each probe socket stays bound until
-    all are picked, since separate ``free_port()`` calls may hand out one port twice."""
+    all are picked, since separate ``free_port()`` calls may hand out one port twice.
+
+    They are drawn at random below the kernel's ephemeral range when it is known (Linux): a
+    port the kernel hands a probe socket comes from that range, from which it also gives
+    every outgoing connection its source port, so it could be taken by a connection before
+    its process binds it (seen as EADDRINUSE with test sessions running side by side)."""
+    span = _below_ephemeral()
+    tries = 64 * n if span is not None else 0
     with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(n):
+        ports: list[int] = []
+        while len(ports) < n:
             s = stack.enter_context(socket.socket())
-            s.bind((host, 0))
+            if tries > 0 and span is not None:
+                tries -= 1
+                try:
+                    s.bind((host, _pick.randint(*span)))
+                except OSError:
+                    continue  # in use, or already picked (its probe is still bound)
+            else:
+                s.bind((host, 0))
             ports.append(int(s.getsockname()[1]))
         return ports
+
+
+def _below_ephemeral() -> tuple[int, int] | None:
+    """``[PORT_FLOOR, first ephemeral port)``, or None where the range is unknown or leaves
+    too few ports under it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return (PORT_FLOOR, low - 1) if low - PORT_FLOOR >= 1024 else None
 
 
 @dataclass
