@@ -56,8 +56,7 @@ def build_rank(cfg: PDConfig, info: RankInfo, dist: Dist) -> tuple[Scheduler, KV
     # A decode caches only what it prefills itself (``local_prefill``): KV that arrives by
     # transfer is never stored (``Scheduler.add_prefilled``), so without local prefills the
     # cache stays empty and is off, as it always was.
-    cached = cfg.mode == "prefill" or cfg.local_prefill
-    cache = PrefixCache(pool, enabled=e.enable_prefix_cache and cached,
+    cache = PrefixCache(pool, enabled=cfg.caches_prefixes,
                         host_pages=e.host_pages if cfg.mode == "prefill" else 0)
     # every rank detokenizes too: its requests must stop (EOS, stop strings) when the leader's do
     sched = Scheduler(ShardedModel(model, dist.combine()), cache,  # type: ignore[arg-type]

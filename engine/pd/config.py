@@ -154,6 +154,15 @@ class PDConfig:
         return self.engine.mode
 
     @property
+    def caches_prefixes(self) -> bool:
+        """Whether this instance keeps a prefix cache: a prefill, or a decode that prefills
+        locally (KV that arrives by transfer is never stored), unless
+        ``--disable-prefix-cache``. A decode indexes its blocks, and states a ``block_size``
+        in its record, only then."""
+        return self.engine.enable_prefix_cache and (self.mode == "prefill"
+                                                    or self.local_prefill)
+
+    @property
     def kv_dtype(self) -> str:
         return self.engine.model_config.dtype if self.kv_cache_dtype == "auto" \
             else self.kv_cache_dtype

@@ -412,7 +412,7 @@ async def start_decode(app: web.Application, stack: contextlib.AsyncExitStack) -
         await record.start()
         # At a stop the record goes first: routers drop this decode before it stops fetching.
         stack.push_async_callback(close_record)
-        if sched.cache.enabled:  # it prefills locally: its cache's blocks go in the index
+        if cfg.caches_prefixes:  # it prefills locally: its cache's blocks go in the index
             # (no request has run yet: the app serves once this start returns; closed before
             # the lease is revoked)
             engine.event_sink = await index_blocks(stack, record, cfg.access,

@@ -17,7 +17,7 @@ def decode_record(cfg: PDConfig, info: RankInfo, served: dict[str, Any] | None =
     tokenizer record and limits)."""
     assert cfg.instance_id is not None
     # a decode that prefills locally indexes its cache's blocks (hashed per page)
-    more = {"block_size": cfg.engine.page_size} if cfg.local_prefill else {}
+    more = {"block_size": cfg.engine.page_size} if cfg.caches_prefixes else {}
     more.update(cfg.protocol_fields(0, info.tp_size))  # a decode's names no endpoint
     return engine_record(cfg.engine, instance_id=cfg.instance_id, role=DECODE,
                          host=cfg.public_host, kv_cache_dtype=cfg.kv_dtype,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -164,7 +165,11 @@ def test_the_record_says_whether_the_decode_prefills_locally() -> None:
     on = decode_record(pd_config("decode", instance_id="dec-on", local_prefill=True), info)
     off = decode_record(pd_config("decode", instance_id="dec-off", local_prefill=False), info)
     assert on.local_prefill is True and on.block_size == 16
-    assert off.local_prefill is False
+    assert off.local_prefill is False and off.block_size is None
+    # with its prefix cache off it indexes nothing, so it states no block size either
+    cfg = pd_config("decode", instance_id="dec-bare", local_prefill=True)
+    bare = replace(cfg, engine=replace(cfg.engine, enable_prefix_cache=False))
+    assert not bare.caches_prefixes and decode_record(bare, info).block_size is None
     assert InstanceRecord.from_json(on.to_json()).local_prefill is True
     assert pd_config("decode").local_prefill is False  # opt-in: PD fleets stay disaggregated
     with pytest.raises(ValueError, match="decode instances"):
