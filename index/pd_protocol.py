@@ -46,6 +46,15 @@ NIXL_PORT = 5600
 """vLLM's default side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``)."""
 
 
+class ProtocolFieldError(ValueError):
+    """One of a ``PDProtocol``'s fields is bad: ``field`` names it, so that a caller can name
+    its own flag or key for it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class PDProtocol:
     """One instance's PD protocol (see the module docstring)."""
@@ -79,13 +88,14 @@ class PDProtocol:
         for name in ("engine_id", "host"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
-                raise ValueError(f"{name} must be a non-empty string or null, got {v!r}")
+                raise ProtocolFieldError(name, f"{name} must be a non-empty string or null, "
+                                         f"got {v!r}")
         for name, lo, hi in (("port", 1, 65535), ("tp_size", 1, 1 << 16)):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)
                                   or not lo <= v <= hi):
-                raise ValueError(f"{name} must be an integer in [{lo}, {hi}] or null, "
-                                 f"got {v!r}")
+                raise ProtocolFieldError(name, f"{name} must be an integer in [{lo}, {hi}] "
+                                         f"or null, got {v!r}")
 
     @property
     def pair_key(self) -> tuple[str, str | None]:

@@ -13,7 +13,13 @@ from index.events.subscriber import SubscriberConfig
 from index.hashing import DEFAULT_BLOCK_SIZE
 from index.keys import DEFAULT_PREFIX, KeyLayout, validate_instance_id, validate_model
 from index.pd_protocol import CHOICES as PD_CHOICES
-from index.pd_protocol import NIXL_PORT, PUSH, SGLANG_BOOTSTRAP, PDProtocol
+from index.pd_protocol import (
+    NIXL_PORT,
+    PUSH,
+    SGLANG_BOOTSTRAP,
+    PDProtocol,
+    ProtocolFieldError,
+)
 from index.record import AGGREGATED, DECODE, PREFILL
 from index.shards import IndexShards
 
@@ -22,6 +28,14 @@ SGLANG, VLLM = "sglang", "vllm"
 ENGINES = (SGLANG, VLLM)
 """What the sidecar can stand beside: SGLang (``/get_server_info``, bootstrap server for PD) or
 vLLM (``/v1/models``; PD through its NixlConnector's ``kv_transfer_params``)."""
+NIXL_FIELDS = {"engine_id": "nixl_engine_id", "host": "nixl_host", "port": "nixl_port",
+               "tp_size": "tp_size"}
+"""A vLLM prefill's identity: each ``PDProtocol`` field and the config field (and so the
+flag, ``_flag``) that gives it."""
+
+
+def _flag(attr: str) -> str:
+    return "--" + attr.replace("_", "-")
 
 
 def http_base(url: str, flag: str) -> tuple[str, str, int]:
@@ -163,9 +177,7 @@ class SidecarConfig:
     def _check_pd_protocol(self, engine_host: str) -> None:
         """Settle ``pd_protocol`` (with a vLLM prefill's NIXL identity); ValueError naming the
         flag to change."""
-        nixl = {"--nixl-engine-id": self.nixl_engine_id, "--nixl-host": self.nixl_host,
-                "--nixl-port": self.nixl_port, "--tp-size": self.tp_size}
-        given = [flag for flag, v in nixl.items() if v is not None]
+        given = [_flag(attr) for attr in NIXL_FIELDS.values() if getattr(self, attr) is not None]
         if self.engine == SGLANG:
             if self.pd_protocol not in (None, SGLANG_BOOTSTRAP):
                 raise ValueError(f"--pd-protocol {self.pd_protocol.label} is vLLM's: give "
@@ -205,11 +217,9 @@ class SidecarConfig:
                 host=self.nixl_host if self.nixl_host is not None else engine_host,
                 port=self.nixl_port if self.nixl_port is not None else NIXL_PORT,
                 tp_size=self.tp_size if self.tp_size is not None else 1)
-        except ValueError as exc:
-            flag = {"engine_id": "--nixl-engine-id", "host": "--nixl-host",
-                    "port": "--nixl-port", "tp_size": "--tp-size"}
-            name = str(exc).split(" ", 1)[0]
-            raise ValueError(f"{flag.get(name, '--pd-protocol')}: {exc}") from None
+        except ProtocolFieldError as exc:
+            attr = NIXL_FIELDS.get(exc.field)
+            raise ValueError(f"{_flag(attr) if attr else '--pd-protocol'}: {exc}") from None
 
     @property
     def layout(self) -> KeyLayout:
