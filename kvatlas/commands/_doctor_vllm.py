@@ -15,7 +15,7 @@ adapters) and its ``/metrics`` (prompt tokens served, prefix-cache queries):
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -24,7 +24,7 @@ from index.agent_stats import parse_stats_key, stats_prefix
 from index.errors import EtcdError
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, loads
-from index.record import InstanceRecord, RecordReader
+from index.record import InstanceRecord
 
 CheckedLink = tuple[str, bool, str, str]
 """(name, ok, detail, hint)."""
@@ -97,19 +97,18 @@ def vllm_links(iid: str, rec: dict[str, Any], stats: dict[str, Any] | None,
 
 
 async def vllm_doctor_links(etcd: EtcdSettings, layout: KeyLayout,
+                            instances: Mapping[str, InstanceRecord],
                             timeout: float) -> list[CheckedLink]:
-    """Every vLLM instance's links; [] when etcd holds none (or cannot be read: the main
-    doctor chain names that)."""
-    reader = RecordReader("doctor: vLLM instance record")
+    """The links of every vLLM instance among ``instances`` (the doctor's read of the
+    records); [] when there is none, or when etcd's counters cannot be read (the main doctor
+    chain names that)."""
+    records = {iid: rec.to_dict() for iid, rec in instances.items() if rec.engine == "vllm"}
+    if not records:
+        return []
     try:
         async with EtcdClient(etcd) as client:
-            _, kvs = await client.get_prefix(layout.instances_prefix())
             _, skvs = await client.get_prefix(stats_prefix(layout))
     except (EtcdError, OSError):
-        return []
-    records = {iid: rec.to_dict() for iid, rec in readable_records(layout, reader, kvs)
-               if rec.engine == "vllm"}
-    if not records:
         return []
     counters: dict[str, Any] = {}
     for kv in skvs:
@@ -127,19 +126,6 @@ async def vllm_doctor_links(etcd: EtcdSettings, layout: KeyLayout,
                                 models if isinstance(models, dict) else None,
                                 metrics if isinstance(metrics, str) else None)
     return links
-
-
-def readable_records(layout: KeyLayout, reader: RecordReader, kvs: Any
-                     ) -> Iterator[tuple[str, InstanceRecord]]:
-    """(instance id, record) of every instance key that parses (the reader counts the rest)."""
-    for kv in kvs:
-        try:
-            iid = layout.parse_instance(kv.key)
-        except ValueError:
-            continue
-        rec = reader.read(kv.key, kv.value, instance_id=iid)
-        if rec is not None:
-            yield iid, rec
 
 
 async def _get(http: aiohttp.ClientSession, url: str, *, json_body: bool) -> Any:

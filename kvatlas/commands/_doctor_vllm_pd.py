@@ -19,16 +19,14 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
 
-from index.errors import EtcdError
-from index.etcd import EtcdClient, EtcdSettings
-from index.keys import KeyLayout
 from index.pd_protocol import CONNECTORS, KV_PARAMS, PREFILL_PARAMS, PUSH, VLLM
-from index.record import DECODE, PREFILL, InstanceRecord, RecordReader
-from kvatlas.commands._doctor_vllm import CheckedLink, readable_records
+from index.record import DECODE, PREFILL, InstanceRecord
+from kvatlas.commands._doctor_vllm import CheckedLink
 from kvatlas.launcher.doctor import _request
 
 CANARY_PROMPT = ("kvatlas doctor: a canary request for a vLLM prefill/decode pair, long enough "
@@ -134,19 +132,13 @@ async def canary(http: aiohttp.ClientSession, model: str, prefill: InstanceRecor
             "shows only in its log: 'Got invalid KVTransferParams')", "")
 
 
-async def vllm_pd_links(etcd: EtcdSettings, layout: KeyLayout,
+async def vllm_pd_links(instances: Iterable[InstanceRecord],
                         timeout: float) -> list[CheckedLink]:
-    """Every vLLM PD model's links; [] when etcd holds no vLLM prefill or decode (or cannot be
-    read: the main doctor chain names that)."""
-    reader = RecordReader("doctor: vLLM PD instance record")
-    try:
-        async with EtcdClient(etcd) as client:
-            _, kvs = await client.get_prefix(layout.instances_prefix())
-    except (EtcdError, OSError):
-        return []
+    """The links of every model with vLLM PD instances among ``instances`` (the doctor's read
+    of the records); [] when there is none."""
     by_model: dict[str, dict[str, list[InstanceRecord]]] = defaultdict(
         lambda: {PREFILL: [], DECODE: []})
-    for _, rec in readable_records(layout, reader, kvs):
+    for rec in instances:
         if (rec.pd_protocol.name != VLLM or rec.role not in (PREFILL, DECODE)
                 or rec.model is None or not rec.url):
             continue

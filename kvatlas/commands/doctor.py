@@ -49,13 +49,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             router = None
     doctor = Doctor(access.main_etcd, access.layout, router, timeout=args.timeout,
                     index_etcd=access.index_shards)
-    links = asyncio.run(doctor.run())
-    # vLLM's own silent-zero-hit causes, per vLLM instance, whatever link the chain stopped at.
-    links += [Link(name, ok, detail, "" if ok else hint) for name, ok, detail, hint in
-              asyncio.run(vllm_doctor_links(access.main_etcd, access.layout, args.timeout))]
-    # vLLM's PD pairs (kv_transfer_params): modes, push identities, a canary per prefill.
-    links += [Link(name, ok, detail, "" if ok else hint) for name, ok, detail, hint in
-              asyncio.run(vllm_pd_links(access.main_etcd, access.layout, args.timeout))]
+
+    async def walk() -> list[Link]:
+        links = await doctor.run()
+        # The vLLM checks walk the records the chain read, whatever link it stopped at:
+        # vLLM's own silent-zero-hit causes per vLLM instance, then its PD pairs
+        # (kv_transfer_params: modes, push identities, a canary per prefill).
+        records = doctor.instance_records
+        checked = await vllm_doctor_links(access.main_etcd, access.layout, records,
+                                          args.timeout)
+        checked += await vllm_pd_links(records.values(), args.timeout)
+        return links + [Link(name, ok, detail, "" if ok else hint)
+                        for name, ok, detail, hint in checked]
+
+    links = asyncio.run(walk())
     if args.json:
         print(json.dumps([vars(link) for link in links], indent=2))
     else:

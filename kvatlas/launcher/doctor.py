@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,7 +25,7 @@ from index.agent_stats import parse_stats_key, stats_prefix
 from index.errors import EtcdError, MalformedValue
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, loads
-from index.record import DEFAULT_ENGINE, RecordReader
+from index.record import DEFAULT_ENGINE, InstanceRecord, RecordReader
 from index.rooms import ROUTER_ROOMS
 from index.shards import IndexShards
 from kvatlas.launcher.doctor_index import index_links
@@ -33,6 +33,21 @@ from kvatlas.launcher.doctor_index import index_links
 PROBE_PROMPT = ("kvatlas doctor probe: a prompt long enough to fill a few KV blocks, so the "
                 "prefill stores them and the index shows them. ")
 ROUTE_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+
+
+def readable_records(layout: KeyLayout, reader: RecordReader, kvs: Iterable[Any]
+                     ) -> Iterator[tuple[str, InstanceRecord]]:
+    """(instance id, record) of every instance key that parses: a key kvatlas does not write
+    is skipped, as routers skip it; an unreadable record is counted by ``reader`` (the
+    registration link names them)."""
+    for kv in kvs:
+        try:
+            iid = layout.parse_instance(kv.key)
+        except MalformedValue:
+            continue
+        rec = reader.read(kv.key, kv.value, instance_id=iid)
+        if rec is not None:
+            yield iid, rec
 
 
 @dataclass
@@ -54,6 +69,9 @@ class Doctor:
     index_etcd: IndexShards = field(default_factory=IndexShards)
     """The block index's shards (``--index-etcd``), each checked after the main etcd."""
     links: list[Link] = field(default_factory=list)
+    instance_records: dict[str, InstanceRecord] = field(default_factory=dict)
+    """Every readable instance record, read once by the etcd link (the vLLM checks walk them
+    too)."""
     instances: dict[str, dict[str, Any]] = field(default_factory=dict)
     ranks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     records: RecordReader = field(default_factory=lambda: RecordReader("doctor: instance record"))
@@ -89,14 +107,8 @@ class Doctor:
             async with EtcdClient(self.etcd) as client:
                 status = await client.status()
                 _, kvs = await client.get_prefix(self.layout.instances_prefix())
-                for kv in kvs:
-                    try:
-                        iid = self.layout.parse_instance(kv.key)
-                    except MalformedValue:
-                        continue  # not a key kvatlas writes: routers skip it too
-                    rec = self.records.read(kv.key, kv.value, instance_id=iid)
-                    if rec is None:
-                        continue  # counted by reason; the registration link names them
+                for iid, rec in readable_records(self.layout, self.records, kvs):
+                    self.instance_records[iid] = rec
                     self.instances[iid] = rec.to_dict()
                     _, rkvs = await client.get_prefix(self.layout.ranks_prefix(iid))
                     self.ranks[iid] = readable_ranks(self.layout, rkvs)
