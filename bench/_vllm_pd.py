@@ -58,6 +58,8 @@ def serve_stubs(prefill_ports: list[int], decode_ports: list[int]) -> None:
     """Serve the vLLM-protocol stub prefills and decodes until interrupted."""
     from aiohttp import web
 
+    from tests.vllm_stub import producer_params  # the repo root is on sys.path
+
     def completion(rid: str, params: dict[str, Any] | None) -> dict[str, Any]:
         return {"id": rid, "object": "text_completion", "model": "tiny",
                 "choices": [{"index": 0, "text": "o", "finish_reason": "length"}],
@@ -70,14 +72,10 @@ def serve_stubs(prefill_ports: list[int], decode_ports: list[int]) -> None:
             rid = f"cmpl-{request.headers.get('X-Request-Id', secrets.token_hex(8))}"
             asked = body.get("kv_transfer_params") or {}
             params = None
-            if asked.get("do_remote_decode"):
-                # vLLM 0.33 NixlConnector (pull) request_finished's answer, block ids made up
-                params = {"do_remote_prefill": True, "do_remote_decode": False,
-                          "remote_block_ids": [[1, 2, 3, 4]], "remote_engine_id": f"stub-{port}",
-                          "remote_request_id": rid, "remote_host": "127.0.0.1",
-                          "remote_port": port + 1, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-                          "remote_num_tokens": 64, "remote_blocks_expiry_time": None,
-                          "remote_registration_generation": 0, "transfer_mode": "pull"}
+            if asked.get("do_remote_decode"):  # vLLM's pull answer, block ids made up
+                params = producer_params(mode="pull", engine_id=f"stub-{port}", request_id=rid,
+                                         host="127.0.0.1", port=port + 1, tp_size=1,
+                                         block_ids=[1, 2, 3, 4], n_tokens=64)
             return web.json_response(completion(f"{rid}-{secrets.token_hex(4)}", params))
         app = web.Application(client_max_size=64 << 20)
         app.router.add_post("/v1/completions", handle)
@@ -316,5 +314,6 @@ def print_table(res: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--serve":
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.vllm_stub
         serve_stubs([int(p) for p in sys.argv[2].split(",")],
                     [int(p) for p in sys.argv[3].split(",")])

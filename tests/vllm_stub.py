@@ -61,6 +61,25 @@ logger = logging.getLogger(__name__)
 END = b"\xff" * 8
 
 
+def producer_params(*, mode: str, engine_id: str, request_id: str, host: str, port: int,
+                    tp_size: int, block_ids: list[int], n_tokens: int) -> dict[str, Any]:
+    """What vLLM 0.33's connector answers from ``request_finished`` on a prefill asked
+    ``do_remote_decode`` (``nixl/pull_scheduler.py``; push: ``push_scheduler.py``'s, without
+    expiry and registration generation), for every stand-in for vLLM (this stub, the router
+    tests' stubs, the router bench's). Written apart from kvatlas's engine on purpose: a
+    stand-in for vLLM must not share kvatlas's reading of vLLM."""
+    params: dict[str, Any] = {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [block_ids],
+        "remote_engine_id": engine_id, "remote_request_id": request_id, "remote_host": host,
+        "remote_port": port, "tp_size": tp_size, "dcp_size": 1, "pp_size": 1,
+        "remote_num_tokens": n_tokens}
+    if mode == "pull":
+        params["remote_blocks_expiry_time"] = None
+        params["remote_registration_generation"] = 0
+    params["transfer_mode"] = mode
+    return params
+
+
 class VllmStub:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -124,19 +143,13 @@ class VllmStub:
 
     def producer_params(self, hashes: list[int], engine_rid: str, n_tokens: int
                         ) -> dict[str, Any]:
-        """What vLLM 0.33's connector returns from ``request_finished`` on a prefill."""
+        """This prefill's answer to ``do_remote_decode`` (``producer_params``)."""
         a = self.args
         blocks = [self.block_ids.setdefault(h, len(self.block_ids) + 1) for h in hashes]
-        params: dict[str, Any] = {
-            "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [blocks],
-            "remote_engine_id": a.engine_id or f"stub-{a.port}", "remote_request_id": engine_rid,
-            "remote_host": a.side_channel_host, "remote_port": a.side_channel_port,
-            "tp_size": a.tp_size, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": n_tokens}
-        if a.kv_mode == "pull":
-            params["remote_blocks_expiry_time"] = None
-            params["remote_registration_generation"] = 0
-        params["transfer_mode"] = a.kv_mode
-        return params
+        return producer_params(mode=a.kv_mode, engine_id=a.engine_id or f"stub-{a.port}",
+                               request_id=engine_rid, host=a.side_channel_host,
+                               port=a.side_channel_port, tp_size=a.tp_size, block_ids=blocks,
+                               n_tokens=n_tokens)
 
     def consumer_check(self, params: dict[str, Any]) -> tuple[str | None, bool]:
         """(why a decode refuses the params, whether it computes the prompt itself)."""

@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from vllm_stub import producer_params
 
 from kvatlas.etcd_proc import free_port
 from router.app import RouterApp, create_app
@@ -170,12 +171,10 @@ class StubWorker:
 def vllm_pull_params(engine_id: str, request: web.Request) -> dict[str, Any]:
     """What a vLLM 0.33 prefill in pull mode answers (``pull_scheduler.request_finished``)."""
     kind = "chatcmpl" if request.path.endswith("/chat/completions") else "cmpl"
-    return {"do_remote_prefill": True, "do_remote_decode": False,
-            "remote_block_ids": [[3, 4, 5]], "remote_engine_id": engine_id,
-            "remote_request_id": f"{kind}-{request.headers.get('x-request-id')}-0a1b2c3d",
-            "remote_host": "10.0.0.7", "remote_port": 5600, "tp_size": 1, "dcp_size": 1,
-            "pp_size": 1, "remote_num_tokens": 12, "remote_blocks_expiry_time": None,
-            "remote_registration_generation": 0, "transfer_mode": "pull"}
+    return producer_params(
+        mode="pull", engine_id=engine_id,
+        request_id=f"{kind}-{request.headers.get('x-request-id')}-0a1b2c3d", host="10.0.0.7",
+        port=5600, tp_size=1, block_ids=[3, 4, 5], n_tokens=12)
 
 
 def router_config(prefills: list[StubWorker], decodes: list[StubWorker],
