@@ -7,17 +7,21 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.serve_config import EngineServerConfig
 from index.access import ClusterAccess
 from index.etcd import EtcdClient
 from index.events.feed import EventFeed
+from index.events.subscriber import SubscriberConfig
 from index.events.types import KVEvent
-from index.pipeline import open_block_pipeline
+from index.keys import KeyLayout
+from index.lease import LeaseSession
+from index.pipeline import BlockPipeline, open_block_pipeline
 from index.presence import Claim, InstancePresence
 from index.record import InstanceRecord
+from index.shards import IndexShards
 from tokenization import tokenizer_record
 
 logger = logging.getLogger(__name__)
@@ -109,14 +113,27 @@ async def index_blocks(stack: contextlib.AsyncExitStack, record: LeasedRecord,
                        access: ClusterAccess, model: str, block_size: int
                        ) -> Callable[[list[KVEvent]], None]:
     """Open the block pipeline of an instance that indexes its own prefix cache (an aggregated
-    engine, a decode that prefills locally): its blocks go in process through an ``EventFeed``
-    into ``open_block_pipeline``, under ``record``'s lease (started), so that they vanish with
-    it. Returns the sink the engine hands its KV events to; both close with ``stack``."""
-    pipeline = await open_block_pipeline(
-        stack, record.presence.session, access.index_shards, access.layout, model,
-        record.instance_id, block_size=block_size, local=True)
+    engine, a decode that prefills locally) under ``record``'s lease (started), so that its
+    blocks vanish with it (``open_local_feed``). Returns the sink the engine hands its KV
+    events to."""
+    _, sink = await open_local_feed(stack, record.presence.session, access.index_shards,
+                                    access.layout, model, record.instance_id,
+                                    block_size=block_size)
+    return sink
+
+
+async def open_local_feed(stack: contextlib.AsyncExitStack, session: LeaseSession,
+                          shards: IndexShards, layout: KeyLayout, model: str, instance_id: str,
+                          *, block_size: int, sources: Sequence[tuple[int, SubscriberConfig]] = ()
+                          ) -> tuple[BlockPipeline, Callable[[list[KVEvent]], None]]:
+    """An instance's block pipeline under ``session``'s lease (``open_block_pipeline``), fed
+    in process through an ``EventFeed`` (and by ``sources``' KV events: a prefill's other DP
+    groups). Returns it and the sink the engine hands its KV events to; both close with
+    ``stack``."""
+    pipeline = await open_block_pipeline(stack, session, shards, layout, model, instance_id,
+                                         block_size=block_size, sources=sources, local=True)
     assert pipeline.local is not None
     feed = EventFeed(pipeline.local)
     feed.start()
     stack.push_async_callback(feed.close)
-    return feed.sink
+    return pipeline, feed.sink

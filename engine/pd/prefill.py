@@ -38,15 +38,13 @@ from engine.pd.config import PDConfig
 from engine.pd.state import CFG_KEY, RANKS_KEY, RankContext, once, rank_route, start_engine
 from engine.ranks.replica import ReplicatedScheduler
 from engine.ranks.uplink import UplinkServer
-from engine.registration import served_fields
+from engine.registration import open_local_feed, served_fields
 from engine.runner import AsyncEngine
 from index.events.endpoints import offset_endpoint
-from index.events.feed import EventFeed
 from index.events.publisher import KVEventPublisher, PublisherConfig
 from index.events.subscriber import SubscriberConfig
 from index.lease import cancel_and_wait
 from index.pd_protocol import SGLANG_BOOTSTRAP, PDProtocol
-from index.pipeline import open_block_pipeline
 from index.writer import BlockWriter
 from transfer import KVSender, TensorPageSource, TransferError, create_sender
 
@@ -410,12 +408,7 @@ async def start_bootstrap(cfg: PDConfig, ranks: RankContext, bport: int,
         endpoint=endpoint,
         replay_endpoint=ranks.replay_endpoints[dp] if dp < len(ranks.replay_endpoints) else None))
         for dp, endpoint in enumerate(ranks.event_endpoints) if dp > 0 and endpoint is not None]
-    pipeline = await open_block_pipeline(
-        stack, mirror.session, cfg.index_etcd, cfg.access.layout,
-        cfg.engine.model_name, bcfg.instance_id, block_size=cfg.engine.page_size,
-        sources=sources, local=True)
-    assert pipeline.local is not None
-    feed = EventFeed(pipeline.local)
-    feed.start()
-    stack.push_async_callback(feed.close)
-    return pipeline.writer, feed.sink
+    pipeline, sink = await open_local_feed(
+        stack, mirror.session, cfg.index_etcd, cfg.access.layout, cfg.engine.model_name,
+        bcfg.instance_id, block_size=cfg.engine.page_size, sources=sources)
+    return pipeline.writer, sink
