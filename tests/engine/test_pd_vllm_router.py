@@ -7,26 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import requests_shim as http
 from engine_helpers import shared_prefix_prompts, wait_indexed
 from pd_helpers import monolithic
-from pd_procs import ROOT, _env, proc_pair
+from pd_procs import proc_pair
+from spawned import Router
 from vllm_pd_client import at_rest, body_of, texts_of
 from waiting import wait_until
 
 from index.keys import KeyLayout
 from index.record import InstanceRecord
-from kvatlas.etcd_proc import free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,33 +28,12 @@ pytestmark = pytest.mark.timeout(300)
 @contextlib.contextmanager
 def router_proc(etcd: str, prefix: str) -> Iterator[str]:
     """A ``kvatlas router serve`` finding its workers through etcd only; its URL once ready."""
-    port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="kvatlas-router-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvatlas", "router", "serve", "--host", "127.0.0.1", "--port",
-         str(port), "--etcd", etcd, "--etcd-prefix", prefix, "--policy", "kv_aware",
-         "--block-size", "16", "--health-check-interval-secs", "1",
-         "--request-timeout-secs", "120"],
-        cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    router = Router(etcd, prefix, "--request-timeout-secs", "120")
     try:
-        deadline = time.monotonic() + 60
-        while http.get_status(url + "/readiness") != 200:
-            assert proc.poll() is None, Path(log.name).read_text(errors="replace")[-4000:]
-            assert time.monotonic() < deadline, (
-                "the router never became ready (no prefill and decode found in etcd):\n"
-                + Path(log.name).read_text(errors="replace")[-4000:])
-            time.sleep(0.2)
-        yield url
+        router.wait_ready(60)
+        yield router.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        log.close()
-        Path(log.name).unlink(missing_ok=True)
+        router.stop()
 
 
 # One 100-prompt, 40-in-flight run per mode (TP (2,1)); TP (1,1) with a smaller set.
