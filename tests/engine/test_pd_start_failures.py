@@ -22,6 +22,7 @@ from aiohttp import web
 from pd_helpers import pd_config
 
 import engine.server as mono
+from engine import registration
 from engine.pd import prefill
 from engine.pd.prefill_app import create_prefill_app
 from engine.pd.state import RankContext
@@ -57,7 +58,7 @@ STEPS: list[tuple[str, Any, str, int]] = [
     ("sender", prefill, "create_sender", 1),
     ("bootstrap_server", prefill, "make_runner", 1),
     ("index_writer", pipeline, "BlockWriter", 1),
-    ("event_feed", prefill, "EventFeed", 1),
+    ("event_feed", registration, "EventFeed", 1),  # engine.registration.open_local_feed
     # the other DP groups' subscribers are made by index.pipeline.BlockPipeline
     ("second_subscriber", pipeline, "KVEventSubscriber", 2),
     ("put_route", prefill, "put_route", 1),
