@@ -19,6 +19,15 @@ from kvatlas.etcd_proc import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def kvatlas_env() -> dict[str, str]:
+    """The environment a spawned kvatlas process runs in: this checkout first on its path,
+    warnings and worse logged unless the caller's environment says otherwise."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("KVATLAS_LOG_LEVEL", "WARNING")
+    return env
+
+
 def get_status(url: str, timeout: float = 2.0) -> int | None:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -36,14 +45,11 @@ class Spawned:
         """``program``: what runs ``args`` (default ``python -m kvatlas``)."""
         self.name = name
         self.args = args
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env.setdefault("KVATLAS_LOG_LEVEL", "WARNING")
         self.log = tempfile.NamedTemporaryFile(prefix=f"kvatlas-{name}-", suffix=".log",
                                                delete=False)
         program = program or [sys.executable, "-m", "kvatlas"]
         self.proc = subprocess.Popen([*program, *args], cwd=ROOT,
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=kvatlas_env(), stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
     def output(self, tail: int = 6000) -> str:

@@ -15,7 +15,8 @@ import pytest
 import requests_shim as http
 from engine_helpers import shared_prefix_prompts
 from pd_helpers import monolithic
-from pd_procs import ROOT, _env, proc_pair
+from pd_procs import ROOT, proc_pair
+from spawned import kvatlas_env
 from vllm_pd_client import at_rest, body_of, texts_of
 from waiting import wait_until
 
@@ -34,7 +35,7 @@ async def test_vllms_toy_proxy_drives_a_pull_pair() -> None:
         proc = subprocess.Popen(
             [sys.executable, str(proxy), "--port", str(port), "--prefiller-hosts", "127.0.0.1",
              "--prefiller-ports", str(p.port), "--decoder-hosts", "127.0.0.1",
-             "--decoder-ports", str(d.port)], cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+             "--decoder-ports", str(d.port)], cwd=ROOT, env=kvatlas_env(), stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, start_new_session=True)
         try:
             deadline = time.monotonic() + 60
