@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from index.errors import IndexLayerError
+
 SGLANG, VLLM = "sglang", "vllm"
 PROTOCOLS = (SGLANG, VLLM)
 PULL, PUSH = "pull", "push"
@@ -46,7 +48,7 @@ NIXL_PORT = 5600
 """vLLM's default side-channel port (``VLLM_NIXL_SIDE_CHANNEL_PORT``)."""
 
 
-class ProtocolFieldError(ValueError):
+class ProtocolFieldError(IndexLayerError, ValueError):
     """One of a ``PDProtocol``'s fields is bad: ``field`` names it, so that a caller can name
     its own flag or key for it."""
 
