@@ -58,9 +58,12 @@ async def test_a_non_utf8_instance_key_does_not_stop_a_deletion(
                          what="discovery to apply the dead instance's deletion",
                          detail=disc.stats)
         assert pools.get(PREFILL, "p-kept") is not None
+        # The restart watch is a follower of its own: it reaches the same events in its own
+        # time (CI once found it a revision behind discovery here).
         for follower in (disc, restarts):
-            assert follower.skipped == {"bad_key": 2}, follower.stats() \
-                if hasattr(follower, "stats") else follower.follow_stats()
+            await wait_until(lambda f=follower: f.skipped == {"bad_key": 2},
+                             what=f"{type(follower).__name__} to skip both writes under the "
+                                  "bad key", detail=follower.follow_stats)
             assert follower.errors == 0 and follower.reloads == 1
         assert disc.state == "synced"
         assert skipped_totals()[("instances", "bad_key")] == before + 4
