@@ -22,20 +22,18 @@ request, and requests/s of each kvatlas target over the proxy's (goal >= 1.0x).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib.util
 import json
 import random
 import secrets
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from _router_load import PROMPT, closed_loop, post_until_ok, proc_cpu, serve_apps, start, stop
+
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEM = "You are a helpful assistant. Answer the question using the context. " * 12
 BODIES = 2000
 """Distinct request bodies, cycled through (every target gets the same sequence)."""
 
@@ -46,7 +44,7 @@ def completion_bodies(n: int = BODIES, model: str = "tiny") -> list[bytes]:
     words = ["cache", "prefix", "decode", "router", "token", "latency", "block", "index", "why",
              "how", "does", "the", "of", "when", "NIXL", "pull", "push", "engine"]
     return [json.dumps({"model": model, "max_tokens": 1,
-                        "prompt": f"{SYSTEM}#{i}: "
+                        "prompt": f"{PROMPT}#{i}: "
                                   + " ".join(rng.choice(words) for _ in range(rng.randint(8, 40)))
                                   + "?"}).encode()
             for i in range(n)]
@@ -115,27 +113,6 @@ def serve_stubs(prefill_ports: list[int], decode_ports: list[int]) -> None:
     serve_apps(apps)
 
 
-def serve_apps(apps: list[tuple[int, Any]]) -> None:
-    """Serve each (port, aiohttp app) on loopback, say ``ready`` on stdout, run until
-    interrupted (the stub processes of bench/router.py's parts)."""
-    from aiohttp import web
-
-    async def main() -> None:
-        runners = []
-        for port, app in apps:
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            runners.append(runner)
-        print("ready", flush=True)
-        await asyncio.Event().wait()
-
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
-
-
 # --- the bench -------------------------------------------------------------------------------------
 
 def proxy_missing() -> str | None:
@@ -143,24 +120,6 @@ def proxy_missing() -> str | None:
         if importlib.util.find_spec(name) is None:
             return f"{name} not installed (pip install fastapi httpx uvicorn)"
     return None
-
-
-async def wait_ready(url: str, body: bytes, path: str = "/v1/completions",
-                     timeout: float = 60.0) -> bool:
-    """Whether ``url`` answers ``body`` posted to ``path`` with 200 within ``timeout``."""
-    import aiohttp
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.post(f"{url}{path}", data=body,
-                                        headers={"content-type": "application/json"}) as resp:
-                    if resp.status == 200:
-                        return True
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
-    return False
 
 
 def decode_stats(decodes: list[str]) -> dict[str, int]:
@@ -197,16 +156,8 @@ def target_commands(prefills: list[str], decodes: list[str], ports: dict[str, in
     return cmds
 
 
-ClosedLoop = Callable[..., Awaitable[dict[str, Any]]]
-
-
-async def run(args: argparse.Namespace, logdir: Path, closed_loop: ClosedLoop,
-              start: Callable[[list[str], Path], subprocess.Popen[bytes]],
-              stop: Callable[[subprocess.Popen[bytes]], None],
-              proc_cpu: Callable[[int], float]) -> dict[str, Any]:
-    """Every target at every concurrency, rounds interleaved; the median round of each.
-    ``closed_loop``, ``start``, ``stop``, ``proc_cpu``: bench/router.py's, shared with its
-    SGLang parts."""
+async def run(args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
+    """Every target at every concurrency, rounds interleaved; the median round of each."""
     from kvatlas.etcd_proc import free_port
     ports = [free_port() for _ in range(4)]
     prefills = [f"http://127.0.0.1:{p}" for p in ports[:2]]
@@ -235,7 +186,7 @@ async def run(args: argparse.Namespace, logdir: Path, closed_loop: ClosedLoop,
     bodies = completion_bodies()
     try:
         for name, url in list(targets.items()):
-            if not await wait_ready(url, bodies[0]):
+            if not await post_until_ok(url, bodies[0]):
                 results["runs"][name] = {"error": f"not ready; see {logdir}/{name}.log"}
                 del targets[name]
         for conc in args.concurrency:

@@ -37,7 +37,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,15 +45,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _router_load import (  # noqa: E402  (bench/ is on sys.path: this file's directory)
+    PROMPT,
+    closed_loop,
+    post_until_ok,
+    proc_cpu,
+    serve_apps,
+    start,
+    stop,
+)
+
 from kvatlas.etcd_proc import free_port  # noqa: E402
 
-PROMPT = ("You are a helpful assistant. Answer the question using the context. " * 12)
 CHAT_BODIES = 20_000
 """Distinct chat bodies of the --chat mode, cycled through."""
 
@@ -86,8 +93,6 @@ def serve_stubs(ports: list[int]) -> None:
         return web.json_response({"model_path": "tiny", "is_generation": True,
                                   "tokenizer_path": "tiny", "disaggregation_mode": "null"})
 
-    from _vllm_pd import serve_apps
-
     apps = []
     for port in ports:
         app = web.Application(client_max_size=64 << 20)
@@ -102,69 +107,8 @@ def serve_stubs(ports: list[int]) -> None:
 
 # --- load -------------------------------------------------------------------------------------
 
-async def closed_loop(url: str, concurrency: int, duration: float,
-                      bodies: list[bytes] | None = None) -> dict[str, Any]:
-    lat: list[float] = []
-    errors = 0
-    bodies = bodies or [json.dumps({"text": PROMPT,
-                                    "sampling_params": {"max_new_tokens": 1}}).encode()]
-    sent = 0
-
-    def next_body() -> bytes:
-        nonlocal sent
-        sent += 1
-        return bodies[sent % len(bodies)]
-    headers = {"content-type": "application/json"}
-    stop_at = time.perf_counter() + duration
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn) as session:
-        async def one_worker() -> None:
-            nonlocal errors
-            while time.perf_counter() < stop_at:
-                t0 = time.perf_counter()
-                try:
-                    async with session.post(url, data=next_body(), headers=headers) as resp:
-                        await resp.read()
-                        if resp.status != 200:
-                            errors += 1
-                            continue
-                except aiohttp.ClientError:
-                    errors += 1
-                    continue
-                lat.append(time.perf_counter() - t0)
-
-        # Warm-up: connections and any lazy init.
-        for _ in range(20):
-            async with session.post(url, data=next_body(), headers=headers) as resp:
-                await resp.read()
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one_worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - t0
-    lat.sort()
-    n = len(lat)
-    return {"requests": n, "errors": errors, "rps": n / elapsed,
-            "p50_ms": 1000 * lat[n // 2] if n else None,
-            "p99_ms": 1000 * lat[min(n - 1, n * 99 // 100)] if n else None}
-
-
 async def wait_ready(url: str, timeout: float = 60.0) -> bool:
-    from _vllm_pd import wait_ready as post_until_ok
     return await post_until_ok(url, b'{"text": "warm"}', "/generate", timeout)
-
-
-def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 async def measure(name: str, url: str, proc: subprocess.Popen[bytes] | None, conc: int,
@@ -177,12 +121,6 @@ async def measure(name: str, url: str, proc: subprocess.Popen[bytes] | None, con
         # machine is, unlike req/s.
         r["router_cpu_us_per_req"] = 1e6 * (proc_cpu(proc.pid) - cpu0) / max(1, r["requests"])
     return r
-
-
-def proc_cpu(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def sglang_router_available() -> str | None:
@@ -420,7 +358,7 @@ def vllm_pd(args: argparse.Namespace, logdir: Path) -> int:
     import _vllm_pd
     from _results import write_result
     print("vLLM PD (pull): kvatlas vs vLLM's toy proxy (closed loop)")
-    res = asyncio.run(_vllm_pd.run(args, logdir, closed_loop, start, stop, proc_cpu))
+    res = asyncio.run(_vllm_pd.run(args, logdir))
     res["cpus"] = os.cpu_count()
     _vllm_pd.print_table(res)
     print(f"ratios kvatlas/proxy req/s: {res['ratios']} (goal >= 1.0)")

@@ -11,17 +11,18 @@ import pytest
 from tests.bench.bench_modules import load as _load
 
 rt = _load("_routing_trace")
+_load("_router_load")
 _load("_results")
 _load("_routing_report")
 rc = _load("_routing_cluster")
 vp = _load("_vllm_pd")
 rq = _load("routing_quality", "bench_routing_quality")
-br = _load("router", "bench_router")
+_load("router", "bench_router")  # its --vllm-pd entry point runs vp.run
 
 
 def test_vllm_pd_http_bench_routes_every_request_as_a_pd_pair(tmp_path: Path) -> None:
     args = argparse.Namespace(duration=0.3, rounds=1, concurrency=[2])
-    res = asyncio.run(vp.run(args, tmp_path, br.closed_loop, br.start, br.stop, br.proc_cpu))
+    res = asyncio.run(vp.run(args, tmp_path))
     runs = res["runs"]
     for name in ("direct", "kvatlas", "kvatlas-rr"):
         assert "error" not in runs[name], runs[name]
