@@ -39,7 +39,7 @@ def serve_apps(apps: list[tuple[int, Any]]) -> None:
 
 
 async def post_until_ok(url: str, body: bytes, path: str = "/v1/completions",
-                     timeout: float = 60.0) -> bool:
+                        timeout: float = 60.0) -> bool:
     """Whether ``url`` answers ``body`` posted to ``path`` with 200 within ``timeout``."""
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:
