@@ -55,7 +55,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         # The vLLM checks walk the records the chain read, whatever link it stopped at:
         # vLLM's own silent-zero-hit causes per vLLM instance, then its PD pairs
         # (kv_transfer_params: modes, push identities, a canary per prefill).
-        records = doctor.instance_records
+        records = doctor.instances
         checked = await vllm_doctor_links(access.main_etcd, access.layout, records,
                                           args.timeout)
         checked += await vllm_pd_links(records.values(), args.timeout)

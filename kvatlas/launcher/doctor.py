@@ -25,7 +25,8 @@ from index.agent_stats import parse_stats_key, stats_prefix
 from index.errors import EtcdError, MalformedValue
 from index.etcd import EtcdClient, EtcdSettings
 from index.keys import KeyLayout, loads
-from index.record import DEFAULT_ENGINE, InstanceRecord, RecordReader
+from index.pd_protocol import SGLANG
+from index.record import DECODE, DEFAULT_ENGINE, PREFILL, InstanceRecord, RecordReader
 from index.rooms import ROUTER_ROOMS
 from index.shards import IndexShards
 from kvatlas.launcher.doctor_index import index_links
@@ -69,10 +70,9 @@ class Doctor:
     index_etcd: IndexShards = field(default_factory=IndexShards)
     """The block index's shards (``--index-etcd``), each checked after the main etcd."""
     links: list[Link] = field(default_factory=list)
-    instance_records: dict[str, InstanceRecord] = field(default_factory=dict)
+    instances: dict[str, InstanceRecord] = field(default_factory=dict)
     """Every readable instance record, read once by the etcd link (the vLLM checks walk them
     too)."""
-    instances: dict[str, dict[str, Any]] = field(default_factory=dict)
     ranks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     records: RecordReader = field(default_factory=lambda: RecordReader("doctor: instance record"))
 
@@ -91,9 +91,9 @@ class Doctor:
                     return self.links
             # vLLM-protocol pairs (pd_protocol set) are walked by kvatlas/commands/_doctor_vllm_pd.
             decodes = [r for r in self.instances.values()
-                       if r.get("role") == "decode" and not r.get("pd_protocol")]
+                       if r.role == DECODE and r.pd_protocol.name == SGLANG]
             for iid, rec in sorted(self.instances.items()):
-                if (rec.get("role") == "prefill" and not rec.get("pd_protocol") and decodes
+                if (rec.role == PREFILL and rec.pd_protocol.name == SGLANG and decodes
                         and not await self._prefill(http, iid, rec, decodes[0])):
                     return self.links
             if self.router:
@@ -108,8 +108,7 @@ class Doctor:
                 status = await client.status()
                 _, kvs = await client.get_prefix(self.layout.instances_prefix())
                 for iid, rec in readable_records(self.layout, self.records, kvs):
-                    self.instance_records[iid] = rec
-                    self.instances[iid] = rec.to_dict()
+                    self.instances[iid] = rec
                     _, rkvs = await client.get_prefix(self.layout.ranks_prefix(iid))
                     self.ranks[iid] = readable_ranks(self.layout, rkvs)
         except (EtcdError, OSError) as exc:
@@ -134,8 +133,8 @@ class Doctor:
         return ok
 
     async def _registered(self) -> bool:
-        roles = [r.get("role") for r in self.instances.values()]
-        n_p, n_d = roles.count("prefill"), roles.count("decode")
+        roles = [r.role for r in self.instances.values()]
+        n_p, n_d = roles.count(PREFILL), roles.count(DECODE)
         ok = n_p > 0 and n_d > 0
         refused = {r: n for r, n in self.records.stats().items() if n}
         unread = f"; unreadable records: {refused}" if refused else ""
@@ -146,15 +145,15 @@ class Doctor:
 
     # --- one prefill instance -----------------------------------------------------------
 
-    async def _prefill(self, http: aiohttp.ClientSession, iid: str, rec: dict[str, Any],
-                       decode: dict[str, Any]) -> bool:
-        n, m = rec.get("registered_ranks"), rec.get("expected_ranks")
-        if not self._add(f"{iid}: registration", bool(rec.get("ready")) and n == m,
+    async def _prefill(self, http: aiohttp.ClientSession, iid: str, rec: InstanceRecord,
+                       decode: InstanceRecord) -> bool:
+        n, m = rec.registered_ranks, rec.expected_ranks
+        if not self._add(f"{iid}: registration", rec.ready and n == m,
                          f"{n} of {m} ranks registered",
                          "a rank did not PUT /route: read the instance log for the rank that "
                          "failed, check --tp/--dp and the bootstrap port"):
             return False
-        boot = f"http://{rec.get('bootstrap_host')}:{rec.get('bootstrap_port')}"
+        boot = f"http://{rec.bootstrap_host}:{rec.bootstrap_port}"
         status, topo = await _get(http, f"{boot}/route?" + "&".join(f"{p}=-1"
                                                                     for p in ROUTE_PARAMS))
         if not self._add(f"{iid}: topology resolvable", status == 200 and isinstance(topo, dict),
@@ -191,28 +190,27 @@ class Doctor:
         self._add(f"{iid}: transfer sockets reachable", True, f"{len(addresses)} sockets accept")
         return await self._probe_direct(http, iid, rec, decode, boot)
 
-    async def _probe_direct(self, http: aiohttp.ClientSession, iid: str, rec: dict[str, Any],
-                            decode: dict[str, Any], boot: str) -> bool:
+    async def _probe_direct(self, http: aiohttp.ClientSession, iid: str, rec: InstanceRecord,
+                            decode: InstanceRecord, boot: str) -> bool:
         room = ROUTER_ROOMS.draw()  # a room the router could have drawn
         host = urlsplit(boot).hostname
         body = {"text": PROBE_PROMPT + iid, "sampling_params": {"max_new_tokens": 2,
                                                                   "temperature": 0.0},
-                "bootstrap_host": host, "bootstrap_port": rec.get("bootstrap_port"),
+                "bootstrap_host": host, "bootstrap_port": rec.bootstrap_port,
                 "bootstrap_room": room}
         (ps, _), (ds, dbody) = await asyncio.gather(
-            _post(http, f"{rec.get('url')}/generate", body),
-            _post(http, f"{decode.get('url')}/generate", body))
+            _post(http, f"{rec.url}/generate", body),
+            _post(http, f"{decode.url}/generate", body))
         detail = f"room {room}: prefill {ps}, decode {ds}"
         if ps != 200 or ds != 200:
             return self._add(f"{iid}: probe consumed", False, f"{detail} {str(dbody)[:200]}",
                              "the transfer failed: GET the decode's /debug/rooms/{room} for the "
                              "stage and rank that failed")
-        if decode.get("engine") not in (None, DEFAULT_ENGINE):
+        if decode.engine != DEFAULT_ENGINE:
             # SGLang's decode keeps no room log: its 200 answer is the evidence there is.
-            return self._add(f"{iid}: probe consumed", True, f"{detail} ({decode.get('engine')} "
+            return self._add(f"{iid}: probe consumed", True, f"{detail} ({decode.engine} "
                              "decode: room stage not recorded)")
-        return await self._room_consumed(http, f"{iid}: probe consumed", room,
-                                         [decode.get("url")])
+        return await self._room_consumed(http, f"{iid}: probe consumed", room, [decode.url])
 
     async def _room_consumed(self, http: aiohttp.ClientSession, name: str, room: int,
                              decode_urls: list[Any]) -> bool:
@@ -268,8 +266,8 @@ class Doctor:
                              f"POST {r}/generate -> {status}: {str(doc)[:200]}",
                              "the router's retries failed: read `kvatlas cluster status` and the "
                              "router log")
-        foreign = {r.get("url") for r in self.instances.values()
-                   if r.get("role") == "decode" and r.get("engine") not in (None, DEFAULT_ENGINE)}
+        foreign = {r.url for r in self.instances.values()
+                   if r.role == DECODE and r.engine != DEFAULT_ENGINE}
         urls = [w["url"] for w in workers.get("decode", []) if w["url"] not in foreign]
         if not urls and foreign:
             return self._add("probe through the router consumed", True,
@@ -296,7 +294,7 @@ class Doctor:
         health = doc.get("instances") or {}
         ok = True
         for iid, rec in sorted(self.instances.items()):
-            if rec.get("role") != "prefill":
+            if rec.role != PREFILL:
                 continue
             for name, good, detail, hint in index_links(iid, health.get(iid), counters.get(iid)):
                 ok = self._add(name, good, detail, hint) and ok
