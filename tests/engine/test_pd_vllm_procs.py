@@ -5,18 +5,15 @@ test_pd_vllm_router.py."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
 import pytest
-import requests_shim as http
 from engine_helpers import shared_prefix_prompts
 from pd_helpers import monolithic
-from pd_procs import ROOT, proc_pair
-from spawned import kvatlas_env
+from pd_procs import proc_pair
+from spawned import Spawned
 from vllm_pd_client import at_rest, body_of, texts_of
 from waiting import wait_until
 
@@ -32,18 +29,13 @@ async def test_vllms_toy_proxy_drives_a_pull_pair() -> None:
     want = monolithic(prompts, [4] * len(prompts))
     with proc_pair("--pd-protocol", "vllm") as (p, d):
         port = free_port()
-        proc = subprocess.Popen(
-            [sys.executable, str(proxy), "--port", str(port), "--prefiller-hosts", "127.0.0.1",
-             "--prefiller-ports", str(p.port), "--decoder-hosts", "127.0.0.1",
-             "--decoder-ports", str(d.port)], cwd=ROOT, env=kvatlas_env(), stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, start_new_session=True)
+        toy = Spawned("vllm-toy-proxy", [
+            "--port", str(port), "--prefiller-hosts", "127.0.0.1", "--prefiller-ports",
+            str(p.port), "--decoder-hosts", "127.0.0.1", "--decoder-ports", str(d.port)],
+            program=[sys.executable, str(proxy)])
         try:
-            deadline = time.monotonic() + 60
-            while http.get_status(f"http://127.0.0.1:{port}/healthcheck") != 200:
-                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                assert time.monotonic() < deadline, "the toy proxy never became healthy"
-                time.sleep(0.2)
             url = f"http://127.0.0.1:{port}"
+            toy.wait_http(f"{url}/healthcheck", 60)
             async with aiohttp.ClientSession() as s:
                 async def one(ids: list[int]) -> str:
                     async with s.post(url + "/v1/completions", json=body_of(ids, 4)) as r:
@@ -59,5 +51,4 @@ async def test_vllms_toy_proxy_drives_a_pull_pair() -> None:
                     assert r.status == 200 and raw.rstrip().endswith("data: [DONE]"), raw
                 await wait_until(lambda: at_rest(s, p.url, d.url), what="both halves at rest")
         finally:
-            proc.terminate()
-            proc.wait(15)
+            toy.stop()
